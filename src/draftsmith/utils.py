@@ -1,0 +1,109 @@
+"""Small shared helpers: devices, dtypes, cache dir, atomic writes, provenance."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from draftsmith.errors import DraftsmithError
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def cache_dir() -> Path:
+    """Root of draftsmith's cache (``DRAFTSMITH_CACHE``, default ``~/.cache/draftsmith``)."""
+    root = Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None``/"auto" picks CUDA when present, else CPU."""
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DraftsmithError(f"device {device!r} requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``None``/"auto": bfloat16 on CUDA, float32 on CPU (exact greedy equivalence is a float32 property)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise DraftsmithError(f"unknown dtype {dtype!r}; use one of {sorted(set(_DTYPES))} or 'auto'")
+    return _DTYPES[dtype]
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield a temporary sibling directory that replaces ``final`` only if the block succeeds."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file + rename: readers never see a partial file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+
+
+def environment_info() -> dict[str, Any]:
+    """Versions and machine facts recorded next to every artefact."""
+    import transformers
+
+    from draftsmith import __version__
+
+    info = {
+        "draftsmith": __version__,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    return info
+
+
+def command_line() -> str:
+    return " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
