@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny random models of several architectures, built in code (no hub)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+VOCAB = 128
+
+
+def _config(arch: str, vocab: int = VOCAB, layers: int = 2, hidden: int = 64, window: int = 8):
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config,
+                              Qwen3Config)
+
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+                  tie_word_embeddings=False)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "qwen3":
+        return Qwen3Config(head_dim=16, **common)
+    if arch == "mistral":  # a small sliding window exercises rollback of windowed KV caches
+        return MistralConfig(sliding_window=window, **common)
+    if arch == "gemma3":  # alternating sliding/full layers
+        return Gemma3TextConfig(head_dim=16, sliding_window=window, layer_types=["sliding_attention", "full_attention"],
+                                **{k: v for k, v in common.items() if k != "num_hidden_layers"}, num_hidden_layers=2)
+    raise ValueError(arch)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_tiny(arch: str, seed: int, vocab: int, layers: int, scale: float) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_config(arch, vocab, layers), dtype=torch.float32)
+    with torch.no_grad():
+        # Larger-than-default weights give peaked, tie-free logits, like a trained model.
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, scale / p.shape[-1] ** 0.5)
+    return model.eval()
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, vocab: int = VOCAB, layers: int = 2,
+               scale: float = 2.0) -> torch.nn.Module:
+    """A tiny random causal LM (cached per argument set; do not mutate it)."""
+    return _cached_tiny(arch, seed, vocab, layers, scale)
+
+
+def perturbed_copy(model: torch.nn.Module, noise: float, seed: int = 123) -> torch.nn.Module:
+    """A copy of ``model`` with Gaussian noise on its weights: agrees with it partially."""
+    import copy
+
+    g = torch.Generator().manual_seed(seed)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise * p.std())
+    return twin.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The packaged SmolLM2-135M-Instruct verifier (float32, CPU)."""
+    from draftsmith.models.verifier import load_verifier
+
+    return load_verifier("smollm2-135m", dtype="float32", device="cpu")
