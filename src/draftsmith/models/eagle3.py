@@ -1,0 +1,427 @@
+"""The EAGLE-3 draft model (Li et al., 2025) in the speculators / vLLM layout.
+
+Symbols: H draft hidden size (= verifier hidden size unless ``target_hidden_size``
+says otherwise), Ht verifier hidden size, A number of aux layers (3), V verifier
+vocabulary, Vd draft vocabulary, nh / nkv / hd query heads, kv heads, head dim.
+
+One draft step at sequence position t (fed token x_{t+1}, feature g_t):
+
+    g_0   = fc(cat(a_low, a_mid, a_high))                   [.., A*Ht] -> [.., H]
+    e     = embed(x_{t+1})                                   [.., H]
+    z     = cat(input_layernorm(e), hidden_norm(g))          [.., 2H]   embeddings first
+    h     = resid(g) + attn(z)                               resid = hidden_norm(g) if norm_before_residual else g
+    h     = h + mlp(post_attention_layernorm(h))
+    logits= lm_head(norm(h))                                 [.., Vd]   predicts x_{t+2}
+    g'    = norm(h) if norm_output else h                    fed to the next draft step
+
+Draft id i maps to verifier id ``i + d2t[i]``; ``t2d[v]`` marks verifier ids that
+are in the draft vocabulary. Module and parameter names equal speculators' so
+state dicts are exchanged without renaming.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.decoding.proposers import DraftContext, Proposal, Proposer
+from draftsmith.decoding.sampling import SamplingParams, logits_to_probs, sample
+from draftsmith.errors import DraftsmithError
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's low/mid/high feature layers: indices into HF ``hidden_states`` (input of layer i)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+@dataclass
+class Eagle3Config:
+    """Shape and wiring of an EAGLE-3 draft.
+
+    Attributes:
+        vocab_size: verifier vocabulary V (the embedding's rows).
+        draft_vocab_size: Vd, rows of ``lm_head``.
+        hidden_size: H of the draft layer.
+        intermediate_size: MLP width.
+        num_attention_heads: nh.
+        num_key_value_heads: nkv.
+        head_dim: hd.
+        aux_layer_ids: verifier layers whose hidden states feed ``fc`` (HF ``hidden_states`` index).
+        target_hidden_size: verifier hidden size when it differs from H (None: equal).
+        rms_norm_eps: RMSNorm epsilon.
+        rope_parameters: HF rope parameters (``rope_type``, ``rope_theta``, ...), from the verifier.
+        max_position_embeddings: longest position the rope tables cover.
+        attention_bias: bias on q/k/v projections.
+        norm_before_residual: residual is ``hidden_norm(g)`` (True) or raw ``g``.
+        norm_before_fc: one RMSNorm over the A*Ht aux vector before ``fc``.
+        fc_norm: one RMSNorm per aux chunk before ``fc`` (exclusive with norm_before_fc).
+        norm_output: feed ``norm(h)`` instead of ``h`` to the next draft step.
+        num_draft_tokens: default k when serving (speculators' ``speculative_tokens``).
+        verifier_name: verifier name or path recorded for serving.
+        verifier_architectures: the verifier's HF architectures.
+    """
+
+    vocab_size: int
+    draft_vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    aux_layer_ids: list[int]
+    target_hidden_size: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False
+    norm_before_residual: bool = True
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    num_draft_tokens: int = 5
+    verifier_name: str | None = None
+    verifier_architectures: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.norm_before_fc and self.fc_norm:
+            raise DraftsmithError("norm_before_fc and fc_norm cannot both be set")
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise DraftsmithError(f"draft vocab size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise DraftsmithError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @property
+    def verifier_hidden_size(self) -> int:
+        return self.target_hidden_size or self.hidden_size
+
+    @classmethod
+    def from_verifier(cls, verifier_config: Any, draft_vocab_size: int | None = None,
+                      aux_layer_ids: list[int] | None = None, **overrides: Any) -> "Eagle3Config":
+        """Draft config matching a verifier's (text) config: same width, heads and rope."""
+        c = verifier_config.get_text_config() if hasattr(verifier_config, "get_text_config") else verifier_config
+        n = c.num_hidden_layers
+        ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(n)
+        if any(not 0 <= i < n for i in ids):
+            raise DraftsmithError(f"aux layer ids {ids} out of range for a {n}-layer verifier")
+        rope = dict(getattr(c, "rope_parameters", None) or {})
+        if rope and all(isinstance(v, dict) for v in rope.values()):  # per-layer-type (Gemma 3)
+            rope = dict(rope.get("full_attention") or next(iter(rope.values())))
+        rope.setdefault("rope_type", "default")
+        rope.setdefault("rope_theta", float(getattr(c, "rope_theta", 10000.0)))
+        V = c.vocab_size
+        return cls(
+            vocab_size=V,
+            draft_vocab_size=min(draft_vocab_size or 32000, V),
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+            aux_layer_ids=ids,
+            rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
+            rope_parameters=rope,
+            max_position_embeddings=int(getattr(c, "max_position_embeddings", 4096)),
+            verifier_architectures=list(getattr(verifier_config, "architectures", None) or []),
+            **overrides,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def rope_config(self) -> Any:
+        """A ``LlamaConfig`` carrying just what HF's rotary embedding reads."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
+                           head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings,
+                           rope_parameters=dict(self.rope_parameters), vocab_size=self.vocab_size)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 (Llama's)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.nh, self.nkv, self.hd = nh, nkv, hd
+        self.q_proj = nn.Linear(2 * H, nh * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(2 * H, nkv * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(2 * H, nkv * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(nh * hd, H, bias=False)
+
+    def qkv(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """z [B, L, 2H] -> q [B, nh, L, hd], k, v [B, nkv, L, hd] (rope applied to q, k)."""
+        B, L, _ = z.shape
+        q = self.q_proj(z).view(B, L, self.nh, self.hd).transpose(1, 2)
+        k = self.k_proj(z).view(B, L, self.nkv, self.hd).transpose(1, 2)
+        v = self.v_proj(z).view(B, L, self.nkv, self.hd).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, L, hd]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return q, k, v
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3Layer(nn.Module):
+    """The single decoder layer whose attention reads [embedding, fused hidden] (width 2H)."""
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.norm_before_residual = cfg.norm_before_residual
+        self.input_layernorm = RMSNorm(H, eps)
+        self.hidden_norm = RMSNorm(H, eps)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.self_attn = Eagle3Attention(cfg)
+        self.mlp = Eagle3MLP(cfg)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attend) -> torch.Tensor:
+        """embeds, hidden [B, L, H] -> h [B, L, H]; ``attend(q, k, v) -> [B, L, nh*hd]``."""
+        g = self.hidden_norm(hidden)
+        resid = g if self.norm_before_residual else hidden
+        z = torch.cat([self.input_layernorm(embeds), g], dim=-1)  # [B, L, 2H]
+        q, k, v = self.self_attn.qkv(z, cos, sin)
+        h = resid + self.self_attn.o_proj(attend(q, k, v))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
+    return x if rep == 1 else x.repeat_interleave(rep, dim=1)
+
+
+class Eagle3Draft(nn.Module):
+    """EAGLE-3 draft: fc + one decoder layer + norm + lm_head over the draft vocabulary."""
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.config = cfg
+        H, Ht, A = cfg.hidden_size, cfg.verifier_hidden_size, len(cfg.aux_layer_ids)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
+        self.embed_tokens.weight.requires_grad_(False)  # copied from the verifier, frozen by default
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(A * Ht, cfg.rms_norm_eps)
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(Ht, cfg.rms_norm_eps) for _ in range(A))
+        self.fc = nn.Linear(A * Ht, H, bias=False)
+        self.layers = nn.ModuleList([Eagle3Layer(cfg)])
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        Vd, V = cfg.draft_vocab_size, cfg.vocab_size
+        self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(V, dtype=torch.bool) if Vd == V else torch.zeros(V, dtype=torch.bool))
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        self.rotary_emb = LlamaRotaryEmbedding(cfg.rope_config())
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    # ------------------------------------------------------------------ building blocks
+    def set_vocab(self, draft_to_target: torch.Tensor) -> None:
+        """Install the draft vocabulary from the sorted verifier ids it keeps (``[Vd]``)."""
+        ids = draft_to_target.to(self.d2t.device, torch.long)
+        if ids.shape != self.d2t.shape or (ids[1:] <= ids[:-1]).any():
+            raise DraftsmithError("draft vocabulary must be Vd strictly increasing verifier ids")
+        self.d2t.copy_(ids - torch.arange(ids.shape[0], device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        """Verifier id of every draft id, ``[Vd]``."""
+        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """Verifier aux hidden states [.., A*Ht] -> fused feature g [.., H]."""
+        if self.config.norm_before_fc:
+            aux = self.input_norm(aux)
+        elif self.config.fc_norm:
+            aux = torch.cat([n(c) for n, c in zip(self.fc_norm, aux.chunk(len(self.fc_norm), -1))], -1)
+        return self.fc(aux.to(self.fc.weight.dtype))
+
+    def head(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [.., H] -> (draft logits [.., Vd], hidden fed to the next step [.., H])."""
+        hn = self.norm(h)
+        return self.lm_head(hn), (hn if self.config.norm_output else h)
+
+    def rope(self, position_ids: torch.Tensor, like: torch.Tensor):
+        return self.rotary_emb(like, position_ids)
+
+    # ------------------------------------------------------------------ training: TTT unroll
+    def forward_ttt(self, aux: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                    attn_mask: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training-time test: unroll ``steps`` draft steps over packed sequences.
+
+        Args:
+            aux: ``[B, L, A*Ht]`` verifier aux states g_t of positions t.
+            input_ids: ``[B, L]`` ids x_{t+1} fed with g_t at step 0. Step j feeds
+                x_{t+1+j} (ground truth, shifted left by j, 0-padded).
+            position_ids: ``[B, L]`` rope position of the token fed at step 0.
+            attn_mask: ``[B, L, L]`` bool, step-0 visibility (causal within a document).
+            steps: number of unrolled steps.
+
+        Returns:
+            ``steps`` logits tensors ``[B, L, Vd]``; step j at position t predicts x_{t+2+j}.
+        """
+        layer = self.layers[0]
+        rep = layer.self_attn.nh // layer.self_attn.nkv
+        g = self.fuse(aux)  # [B, L, H]
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        bias0 = torch.zeros(attn_mask.shape, dtype=g.dtype, device=g.device).masked_fill(
+            ~attn_mask, float("-inf")).unsqueeze(1)  # [B, 1, L, L]
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # Step j's query at t sees step-0 keys s <= t (same document) and, from every
+            # later step i <= j, only its own position t: the chain it would draft at inference.
+            keys.append(_repeat_kv(k, rep))
+            values.append(_repeat_kv(v, rep))
+            s0 = q @ keys[0].transpose(-1, -2) * self.scale + bias0  # [B, nh, L, L]
+            if len(keys) > 1:
+                diag = torch.stack([(q * kk).sum(-1) for kk in keys[1:]], -1) * self.scale  # [B, nh, L, j]
+                w = torch.cat([s0, diag], -1).float().softmax(-1).to(q.dtype)
+                L = s0.shape[-1]
+                out = w[..., :L] @ values[0] + (w[..., L:].unsqueeze(-1) * torch.stack(values[1:], -2)).sum(-2)
+            else:
+                out = s0.float().softmax(-1).to(q.dtype) @ values[0]
+            B, nh, L, hd = out.shape
+            return out.transpose(1, 2).reshape(B, L, nh * hd)
+
+        logits = []
+        ids = input_ids
+        for j in range(steps):
+            if j:
+                ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+            e = self.embed_tokens(ids)
+            cos, sin = self.rope(position_ids + j, e)
+            h = layer(e, g, cos, sin, attend)
+            lj, g = self.head(h)
+            logits.append(lj)
+        return logits
+
+    # ------------------------------------------------------------------ inference: cached steps
+    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+             cache: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One cached forward over m new positions.
+
+        Args:
+            input_ids: ``[1, m]`` fed tokens (verifier ids).
+            hidden: ``[1, m, H]`` fused or draft-carried features.
+            position_ids: ``[1, m]`` rope positions.
+            cache: ``[K, V]`` with K, V ``[1, nkv, S, hd]`` or None; extended in place.
+
+        Returns:
+            draft logits ``[1, m, Vd]`` and the hidden to carry ``[1, m, H]``.
+        """
+        layer = self.layers[0]
+        rep = layer.self_attn.nh // layer.self_attn.nkv
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if cache[0] is not None:
+                k, v = torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2)
+            cache[0], cache[1] = k, v
+            m, S = q.shape[2], k.shape[2]
+            mask = None
+            if m > 1:  # query i (absolute S-m+i) sees keys <= S-m+i
+                mask = torch.ones(m, S, dtype=torch.bool, device=q.device).tril(S - m)
+            out = F.scaled_dot_product_attention(q, _repeat_kv(k, rep), _repeat_kv(v, rep), attn_mask=mask,
+                                                 scale=self.scale)
+            return out.transpose(1, 2).reshape(1, m, -1)
+
+        e = self.embed_tokens(input_ids)
+        cos, sin = self.rope(position_ids, e)
+        return self.head(layer(e, hidden, cos, sin, attend))
+
+
+class Eagle3Proposer(Proposer):
+    """Drafts with an :class:`Eagle3Draft`, fed by the verifier's aux hidden states.
+
+    The verifier states arrive with each call (from the verification forward the
+    engine already ran); the draft keeps its own KV cache and rolls it back to the
+    verified prefix at the start of every round.
+    """
+
+    requires_hidden_states = True
+
+    def __init__(self, draft: Eagle3Draft) -> None:
+        self.draft = draft.eval()
+        self.aux_layer_ids = tuple(draft.config.aux_layer_ids)
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache: list[torch.Tensor | None] = [None, None]
+
+    def check_compatible(self, verifier: torch.nn.Module) -> None:
+        cfg = self.draft.config
+        vc = verifier.config.get_text_config() if hasattr(verifier.config, "get_text_config") else verifier.config
+        problems = []
+        if vc.hidden_size != cfg.verifier_hidden_size:
+            problems.append(f"hidden size {vc.hidden_size} != draft's {cfg.verifier_hidden_size}")
+        vocab = verifier.get_output_embeddings().weight.shape[0]
+        if vocab != cfg.vocab_size:
+            problems.append(f"vocabulary {vocab} != draft's {cfg.vocab_size}")
+        if max(cfg.aux_layer_ids) > vc.num_hidden_layers:
+            problems.append(f"aux layers {cfg.aux_layer_ids} exceed its {vc.num_hidden_layers} layers")
+        if problems:
+            raise DraftsmithError("EAGLE-3 draft does not fit this verifier: " + "; ".join(problems))
+
+    def _choose(self, logits: torch.Tensor, sampling: SamplingParams, generator):
+        """Draft logits [Vd] -> (verifier id, q over the verifier vocab or None)."""
+        if sampling.greedy:
+            i = logits.argmax(-1)
+            return i + self.draft.d2t[i], None
+        full = torch.full((self.draft.config.vocab_size,), float("-inf"), device=logits.device, dtype=torch.float32)
+        full[self.draft.draft_to_target] = logits.float()
+        q = logits_to_probs(full, sampling)  # the shared transform, on the verifier's vocabulary
+        return sample(q, generator), q
+
+    def propose(self, ctx: DraftContext, k: int, sampling: SamplingParams, generator) -> Proposal:
+        tokens, aux = ctx.tokens, ctx.hidden_states
+        T, m = tokens.shape[0], aux.shape[0]
+        start = T - 1 - m  # first position with a new verifier state
+        if self.cache[0] is not None:  # drop last round's draft steps (and anything past the verified prefix)
+            self.cache = [self.cache[0][:, :, :start], self.cache[1][:, :, :start]]
+        dtype = self.draft.fc.weight.dtype
+        g = self.draft.fuse(aux.to(dtype))[None]  # [1, m, H]
+        # position p pairs its state with the next token x_{p+1}, at rope position p+1
+        pos = torch.arange(start + 1, T, device=tokens.device)[None]
+        logits, h = self.draft.step(tokens[T - m:][None], g, pos, self.cache)
+        drafted, probs = [], []
+        for i in range(k):
+            tok, q = self._choose(logits[0, -1], sampling, generator)
+            drafted.append(tok)
+            probs.append(q)
+            if i + 1 < k:
+                logits, h = self.draft.step(tok.reshape(1, 1), h[:, -1:], pos[:, -1:] + i + 1, self.cache)
+        return Proposal(torch.stack(drafted), None if sampling.greedy else torch.stack(probs))
