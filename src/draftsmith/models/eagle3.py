@@ -279,6 +279,10 @@ class Eagle3Draft(nn.Module):
         return self.rotary_emb(like, position_ids)
 
     # ------------------------------------------------------------------ training: TTT unroll
+    def forward(self, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        """The training forward (what DDP wraps) is the TTT unroll."""
+        return self.forward_ttt(*args, **kwargs)
+
     def forward_ttt(self, aux: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                     attn_mask: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Training-time test: unroll ``steps`` draft steps over packed sequences.

@@ -1,0 +1,473 @@
+"""EAGLE-3 training: packed TTT unroll, AdamW, warmup + cosine, checkpoint/resume, DDP.
+
+Runs as one process or under ``torchrun --nproc_per_node N`` (gloo on CPU, nccl on
+CUDA). Rows are dealt round-robin to ranks and gradients averaged, so N ranks with
+``grad_accum`` a train exactly like one rank with ``grad_accum`` N*a. Rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from draftsmith.config import opt, to_dict
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.eagle3 import Eagle3Config, Eagle3Draft
+from draftsmith.models.vocab import coverage, select_vocab, token_counts
+from draftsmith.train.loss import step_mask, ttt_loss
+from draftsmith.train.packing import PackedBatch, collate, pack_rows
+from draftsmith.utils import atomic_write_bytes, atomic_write_json, command_line, environment_info
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    """Train an EAGLE-3 draft on hidden states captured from the verifier."""
+
+    verifier: str = opt(help="verifier the data was captured from: HF dir, .gguf file, or alias")
+    data: str | None = opt(None, "directory of captured shards (from `draftsmith data`)")
+    out: str = opt("runs/draft", "output directory: checkpoints, metrics.jsonl, the draft")
+    draft_vocab_size: int = opt(32000, "draft vocabulary size (capped at the verifier's)")
+    ttt_steps: int = opt(3, "training-time-test unroll length (1-7)")
+    step_weight: float = opt(0.8, "loss weight of unroll step j is step_weight**j")
+    epochs: float = opt(1.0, "passes over the training rows")
+    max_steps: int | None = opt(None, "stop after this many optimizer steps")
+    lr: float = opt(1e-3, "peak learning rate (AdamW)")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    warmup_ratio: float = opt(0.05, "fraction of steps spent warming up linearly")
+    min_lr_ratio: float = opt(0.1, "cosine decay ends at lr * min_lr_ratio")
+    grad_clip: float = opt(1.0, "gradient norm clip")
+    pack_tokens: int = opt(2048, "positions per packed row")
+    grad_accum: int = opt(1, "rows per optimizer step (per rank)")
+    val_fraction: float = opt(0.05, "fraction of samples held out to pick the best checkpoint")
+    eval_every: int = opt(100, "optimizer steps between validations")
+    eval_steps: int = opt(5, "draft length k of the simulated validation acceptance")
+    checkpoint_every: int = opt(50, "optimizer steps between resumable checkpoints")
+    init_from: str | None = opt(None, "warm-start from this draft directory (keeps its vocabulary)")
+    num_draft_tokens: int = opt(5, "speculative tokens written into the exported config")
+    precision: Literal["auto", "fp32", "bf16"] = opt("auto", "bf16 autocast on CUDA / AMX CPUs, else fp32")
+    seed: int = opt(0, "seed for initialisation and data order")
+    device: str = opt("auto", "auto, cpu, cuda, cuda:N")
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.ttt_steps <= 7:
+            raise DraftsmithError(f"--ttt-steps must be in 1..7, got {self.ttt_steps}")
+        checks = {"--lr": self.lr > 0, "--epochs": self.epochs > 0, "--pack-tokens": self.pack_tokens >= 8,
+                  "--grad-accum": self.grad_accum >= 1, "--draft-vocab-size": self.draft_vocab_size >= 1,
+                  "--val-fraction": 0 <= self.val_fraction < 1, "--eval-every": self.eval_every >= 1,
+                  "--checkpoint-every": self.checkpoint_every >= 1, "--step-weight": self.step_weight > 0,
+                  "--eval-steps": self.eval_steps >= 1}
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            raise DraftsmithError(f"invalid value for {', '.join(bad)}")
+
+
+# Fields that change the result; the rest (logging cadence, device) may differ on resume.
+_RESULT_FIELDS = ("verifier", "data", "draft_vocab_size", "ttt_steps", "step_weight", "epochs", "max_steps", "lr",
+                  "weight_decay", "warmup_ratio", "min_lr_ratio", "grad_clip", "pack_tokens", "grad_accum",
+                  "val_fraction", "init_from", "precision", "seed")
+
+
+@dataclass
+class TrainResult:
+    draft_dir: Path
+    best_acceptance_length: float
+    steps: int
+    seconds: float
+    metrics: dict[str, Any]
+
+
+# ----------------------------------------------------------------------------- helpers
+class _Dist:
+    """Rank/world and collective helpers; a no-op outside torchrun."""
+
+    def __init__(self, device_spec: str) -> None:
+        import torch.distributed as dist
+
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.dist = dist
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() and device_spec != "cpu" else "gloo")
+        if device_spec == "auto":
+            if torch.cuda.is_available():
+                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            else:
+                self.device = torch.device("cpu")
+        else:
+            self.device = torch.device(device_spec)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            self.dist.barrier()
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        self.dist.all_reduce(t)
+        return t.tolist()
+
+
+def _use_bf16(precision: str, device: torch.device) -> bool:
+    if precision != "auto":
+        return precision == "bf16"
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def _final_norm(verifier: torch.nn.Module) -> torch.nn.Module | None:
+    decoder = verifier.get_decoder() if hasattr(verifier, "get_decoder") else None
+    return getattr(decoder, "norm", None)
+
+
+def build_draft(verifier: torch.nn.Module, draft_vocab: torch.Tensor, seed: int,
+                aux_layer_ids: list[int] | None = None, **overrides: Any) -> Eagle3Draft:
+    """A fresh draft for ``verifier``: random layer, embeddings and lm_head rows copied from it.
+
+    Args:
+        verifier: the HF causal LM.
+        draft_vocab: ``[Vd]`` sorted verifier ids the draft predicts over.
+        seed: initialisation seed.
+        aux_layer_ids: verifier layers feeding the draft (default [2, n//2, n-3]).
+    """
+    cfg = Eagle3Config.from_verifier(verifier.config, draft_vocab_size=draft_vocab.shape[0],
+                                     aux_layer_ids=aux_layer_ids, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        draft = Eagle3Draft(cfg)
+        with torch.no_grad():
+            for name, p in draft.named_parameters():
+                if p.dim() == 2 and name not in {"embed_tokens.weight", "lm_head.weight"}:
+                    p.normal_(0.0, 0.02)
+    draft.set_vocab(draft_vocab)
+    with torch.no_grad():
+        emb = verifier.get_input_embeddings().weight
+        draft.embed_tokens.weight.copy_(emb.float())
+        head = verifier.get_output_embeddings().weight
+        draft.lm_head.weight.copy_(head[draft.draft_to_target.to(head.device)].float())
+        norm = _final_norm(verifier)
+        if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == draft.norm.weight.shape:
+            # Gemma's norms scale by (1 + w); start the draft norm at the verifier's effective scale.
+            scale = norm.weight.float() + (1.0 if "gemma" in verifier.config.model_type else 0.0)
+            draft.norm.weight.copy_(scale)
+    draft.lm_head.weight.requires_grad_(False)  # frozen: the verifier's own rows (as speculators does)
+    return draft
+
+
+def _target_head(verifier: torch.nn.Module, draft: Eagle3Draft) -> tuple[torch.Tensor, float | None]:
+    """Verifier lm_head rows of the draft vocabulary [Vd, Ht] and its logit softcap, if any."""
+    head = verifier.get_output_embeddings().weight.detach()
+    rows = head[draft.draft_to_target.to(head.device)].float().clone()
+    cfg = verifier.config.get_text_config() if hasattr(verifier.config, "get_text_config") else verifier.config
+    return rows, getattr(cfg, "final_logit_softcapping", None)
+
+
+def target_logits(last: torch.Tensor, rows: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    logits = last.to(rows.dtype) @ rows.T
+    return softcap * torch.tanh(logits / softcap) if softcap else logits
+
+
+def train_flops_per_token(cfg: Eagle3Config, steps: int, mean_context: float) -> float:
+    """Approximate FLOPs of one training position (forward 2x, backward 4x params; frozen lm_head 2x+2x)."""
+    H, Ht, A = cfg.hidden_size, cfg.verifier_hidden_size, len(cfg.aux_layer_ids)
+    nh, nkv, hd, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
+    layer = 2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * inter
+    attn = 2 * mean_context * nh * hd
+    head = H * cfg.draft_vocab_size
+    fwd_trained = 2 * (A * Ht * H + steps * (layer + attn))
+    return 3 * fwd_trained + steps * 2 * 2 * head + 2 * head  # + the target logits
+
+
+def simulated_acceptance(step_logits: list[torch.Tensor], batch: PackedBatch,
+                         draft_to_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy chain acceptance under teacher forcing: counts ``[K]`` of accepted-at-j and the chain count.
+
+    A position contributes when all K steps have a target inside its document's
+    assistant tokens; its step j is accepted if steps 0..j all equal the verifier's token.
+    """
+    K = len(step_logits)
+    full = step_mask(batch.mask, batch.doc, K - 1)  # step K-1 valid implies all earlier ones are
+    ok = torch.ones_like(full)
+    accepted = torch.zeros(K, dtype=torch.long)
+    for j, logits in enumerate(step_logits):
+        guess = draft_to_target[logits.argmax(-1)]
+        from draftsmith.train.loss import shift_left
+
+        ok = ok & (guess == shift_left(batch.next_tokens, j, fill=-1))
+        accepted[j] = int((ok & full).sum())
+    return accepted, full.sum().cpu()
+
+
+def _lr_lambda(total: int, warmup: int, min_ratio: float):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+def _split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic sample split by a hash of (seed, index)."""
+    train, val = [], []
+    for i in range(n):
+        h = int.from_bytes(hashlib.sha256(f"{seed}:{i}".encode()).digest()[:4], "big") / 2**32
+        (val if h < fraction else train).append(i)
+    if fraction > 0 and not val and n > 1:
+        val.append(train.pop())
+    return train, val
+
+
+def _config_hash(cfg: TrainConfig) -> str:
+    d = to_dict(cfg)
+    return hashlib.sha256(json.dumps({k: d[k] for k in _RESULT_FIELDS}, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- the loop
+def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.nn.Module | None = None,
+          fingerprint: str | None = None, progress: bool = True) -> TrainResult:
+    """Train a draft; resumes from ``cfg.out`` when it holds a checkpoint of the same config.
+
+    Args:
+        cfg: the training configuration.
+        samples: captured samples (online mode); default: read ``cfg.data`` shards.
+        verifier: the loaded verifier (default: loaded from ``cfg.verifier``).
+        fingerprint: the verifier's fingerprint (default: computed on load).
+        progress: show a progress bar on rank 0.
+    """
+    from tqdm.auto import tqdm
+
+    from draftsmith.export import read_draft, save_draft
+    from draftsmith.models.verifier import load_verifier
+
+    dist = _Dist(cfg.device)
+    out = Path(cfg.out)
+    if verifier is None:
+        verifier, _, fingerprint = load_verifier(cfg.verifier, dtype="float32", device="cpu")
+    if samples is None:
+        if not cfg.data:
+            raise DraftsmithError("--data is required (a directory of captured shards)")
+        from draftsmith.data.capture import load_shards
+
+        samples = list(load_shards(Path(cfg.data), fingerprint))
+    if not samples:
+        raise DraftsmithError("no training samples")
+    train_idx, val_idx = _split(len(samples), cfg.val_fraction, cfg.seed)
+    if not train_idx:
+        raise DraftsmithError("no training samples left after the validation split")
+
+    # draft: warm start (keeps its vocabulary) or fresh from the verifier
+    if cfg.init_from:
+        draft = read_draft(cfg.init_from, device="cpu", dtype=torch.float32)
+        draft.lm_head.weight.requires_grad_(False)
+        vocab_cov = None
+    else:
+        counts = token_counts((samples[i] for i in train_idx), verifier.get_output_embeddings().weight.shape[0])
+        vocab = select_vocab(counts, min(cfg.draft_vocab_size, counts.shape[0]))
+        vocab_cov = coverage(counts, vocab)
+        draft = build_draft(verifier, vocab, cfg.seed, num_draft_tokens=cfg.num_draft_tokens,
+                            verifier_name=cfg.verifier)
+    draft.config.num_draft_tokens = cfg.num_draft_tokens
+    draft.config.verifier_name = draft.config.verifier_name or cfg.verifier
+    from draftsmith.models.eagle3 import Eagle3Proposer
+
+    Eagle3Proposer(draft).check_compatible(verifier)
+    rows_w, softcap = _target_head(verifier, draft)
+    device = dist.device
+    draft.to(device)
+    rows_w = rows_w.to(device)
+    d2t_full = draft.draft_to_target
+    bf16 = _use_bf16(cfg.precision, device)
+
+    train_params = [p for p in draft.parameters() if p.requires_grad]
+    model: torch.nn.Module = draft
+    if dist.world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(draft, device_ids=[device.index] if device.type == "cuda" else None)
+    optim = torch.optim.AdamW(train_params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+
+    # schedule: rows per epoch are fixed by the data, so the step count is known up front
+    rows0 = pack_rows(samples, train_idx, cfg.pack_tokens)
+    per_step = cfg.grad_accum * dist.world
+    steps_per_epoch = len(rows0) // per_step
+    if steps_per_epoch == 0:
+        raise DraftsmithError(f"{len(rows0)} packed rows cannot fill one optimizer step of {per_step} rows; "
+                              "lower --grad-accum / --pack-tokens or add data")
+    total_steps = max(1, int(cfg.epochs * steps_per_epoch))
+    if cfg.max_steps:
+        total_steps = min(total_steps, cfg.max_steps)
+    warmup = max(1, int(cfg.warmup_ratio * total_steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, _lr_lambda(total_steps, warmup, cfg.min_lr_ratio))
+    val_rows = pack_rows(samples, val_idx, cfg.pack_tokens)
+    weights = [cfg.step_weight ** j for j in range(cfg.ttt_steps)]
+
+    # resume
+    ckpt_dir = out / "checkpoints"
+    chash = _config_hash(cfg)
+    step, best = 0, -1.0
+    latest = ckpt_dir / "latest.json"
+    if latest.is_file():
+        info = json.loads(latest.read_text())
+        if info.get("config_hash") != chash:
+            raise DraftsmithError(f"{out} holds a training run with a different configuration; "
+                                  "use another --out or delete it")
+        state = torch.load(ckpt_dir / info["file"], map_location=device, weights_only=False)
+        draft.load_state_dict(state["model"])
+        optim.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        step, best = state["step"], state["best"]
+        log.info("resumed from %s at step %d", info["file"], step)
+    if dist.main:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out / "train_config.json", {
+            "config": to_dict(cfg), "config_hash": chash, "verifier_fingerprint": fingerprint,
+            "num_samples": len(samples), "train_samples": len(train_idx), "val_samples": len(val_idx),
+            "vocab_coverage": vocab_cov, "total_steps": total_steps, "world_size": dist.world,
+            "precision": "bf16" if bf16 else "fp32", "environment": environment_info(),
+            "command": command_line()})
+
+    def autocast():
+        return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+    def evaluate() -> dict[str, Any]:
+        draft.eval()
+        K = max(cfg.eval_steps, cfg.ttt_steps)
+        acc = torch.zeros(K, dtype=torch.long)
+        n = torch.zeros((), dtype=torch.long)
+        with torch.no_grad(), autocast():
+            for r in val_rows[dist.rank::dist.world]:
+                b = collate(samples, r, cfg.pack_tokens).to(device)
+                logits = draft.forward_ttt(b.aux.float(), b.input_ids, b.position_ids, b.attn_mask, K)
+                a, c = simulated_acceptance(logits, b, d2t_full)
+                acc += a
+                n += c
+        tot = dist.all_sum([float(n)] + acc.tolist())
+        draft.train()
+        per_pos = [x / tot[0] if tot[0] else 0.0 for x in tot[1:]]
+        return {"val_acceptance_length": 1.0 + sum(per_pos), "val_per_position_acceptance": per_pos,
+                "val_positions": int(tot[0]), "val_k": K}
+
+    def save_checkpoint() -> None:
+        if not dist.main:
+            return
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        name = f"step-{step:07d}.pt"
+        import io
+
+        buf = io.BytesIO()
+        torch.save({"model": draft.state_dict(), "optimizer": optim.state_dict(),
+                    "scheduler": sched.state_dict(), "step": step, "best": best}, buf)
+        atomic_write_bytes(ckpt_dir / name, buf.getvalue())
+        atomic_write_json(latest, {"file": name, "step": step, "config_hash": chash})
+        for old in sorted(ckpt_dir.glob("step-*.pt"))[:-2]:
+            old.unlink()
+
+    def save_best(metrics: dict[str, Any]) -> None:
+        if dist.main:
+            save_draft(draft, out / "draft", verifier_name=draft.config.verifier_name,
+                       num_draft_tokens=cfg.num_draft_tokens, fingerprint=fingerprint,
+                       provenance={"train_config": to_dict(cfg), "step": step, "command": command_line()},
+                       metrics=metrics)
+
+    metrics_f = open(out / "metrics.jsonl", "a") if dist.main else None
+    draft.train()
+    bar = tqdm(total=total_steps, initial=step, desc="train", disable=not (progress and dist.main),
+               dynamic_ncols=True)
+    t_start = time.perf_counter()
+    tokens_seen = 0
+    mean_ctx = cfg.pack_tokens / 4
+    flops_tok = train_flops_per_token(draft.config, cfg.ttt_steps, mean_ctx)
+    last_metrics: dict[str, Any] = {}
+    try:
+        while step < total_steps:
+            epoch, in_epoch = divmod(step, steps_per_epoch)
+            g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+            order = [train_idx[i] for i in torch.randperm(len(train_idx), generator=g).tolist()]
+            rows = pack_rows(samples, order, cfg.pack_tokens)[: steps_per_epoch * per_step]
+            for s in range(in_epoch, steps_per_epoch):
+                if step >= total_steps:
+                    break
+                t0 = time.perf_counter()
+                mine = rows[s * per_step:(s + 1) * per_step][dist.rank::dist.world]
+                optim.zero_grad(set_to_none=True)
+                sums = [0.0] * (3 * cfg.ttt_steps)
+                ntok = 0
+                for i, r in enumerate(mine):
+                    b = collate(samples, r, cfg.pack_tokens).to(device)
+                    sync = model.no_sync() if (dist.world > 1 and i + 1 < len(mine)) else contextlib.nullcontext()
+                    with sync, autocast():
+                        logits = model(b.aux.float(), b.input_ids, b.position_ids, b.attn_mask, cfg.ttt_steps)
+                        with torch.no_grad():
+                            tl = target_logits(b.last, rows_w, softcap)
+                        loss, st = ttt_loss(logits, tl, b.next_tokens, b.mask, b.doc, d2t_full, weights)
+                    (loss / len(mine)).backward()
+                    for j in range(cfg.ttt_steps):
+                        sums[3 * j] += st.loss[j]
+                        sums[3 * j + 1] += st.correct[j]
+                        sums[3 * j + 2] += st.count[j]
+                    ntok += b.num_tokens
+                gnorm = torch.nn.utils.clip_grad_norm_(train_params, cfg.grad_clip)
+                optim.step()
+                sched.step()
+                step += 1
+                sums = dist.all_sum(sums + [float(ntok)])
+                ntok_all = sums[-1]
+                tokens_seen += ntok_all
+                dt = time.perf_counter() - t0
+                per_step_loss = [sums[3 * j] / max(1, sums[3 * j + 2]) for j in range(cfg.ttt_steps)]
+                per_step_acc = [sums[3 * j + 1] / max(1, sums[3 * j + 2]) for j in range(cfg.ttt_steps)]
+                rec = {"step": step, "epoch": epoch, "lr": sched.get_last_lr()[0],
+                       "loss": sum(w * x for w, x in zip(weights, per_step_loss)),
+                       "step_loss": per_step_loss, "step_acc": per_step_acc, "grad_norm": float(gnorm),
+                       "tokens_per_s": ntok_all / dt, "flops_per_s": flops_tok * ntok_all / dt}
+                if step % cfg.eval_every == 0 or step == total_steps:
+                    rec.update(evaluate())
+                    if rec["val_acceptance_length"] > best:
+                        best = rec["val_acceptance_length"]
+                        save_best(rec)
+                if metrics_f:
+                    metrics_f.write(json.dumps(rec) + "\n")
+                    metrics_f.flush()
+                last_metrics = rec
+                bar.update(1)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{per_step_acc[0]:.2f}",
+                                tok_s=f"{rec['tokens_per_s']:.0f}",
+                                **({"val_al": f"{rec['val_acceptance_length']:.2f}"} if "val_acceptance_length" in rec else {}))
+                if step % cfg.checkpoint_every == 0 or step == total_steps:
+                    save_checkpoint()
+    except KeyboardInterrupt:
+        save_checkpoint()  # nothing lost: the next run resumes here
+        raise
+    finally:
+        bar.close()
+        if metrics_f:
+            metrics_f.close()
+    if not val_rows and dist.main:  # no validation data: the last weights are the result
+        save_best(last_metrics)
+    dist.barrier()
+    seconds = time.perf_counter() - t_start
+    summary = {**last_metrics, "train_seconds": seconds, "tokens_seen": tokens_seen,
+               "vocab_coverage": vocab_cov, "best_val_acceptance_length": best}
+    if dist.main:
+        atomic_write_json(out / "train_summary.json", summary)
+    return TrainResult(out / "draft", best, step, seconds, summary)
