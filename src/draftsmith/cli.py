@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from draftsmith.bench import BenchConfig, run_bench
 from draftsmith.config import add_arguments, from_args, opt
 from draftsmith.drafters import DRAFTER_HELP
 from draftsmith.errors import DraftsmithError, GateFailed
@@ -78,6 +79,8 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "generate": Command(GenerateConfig, run_generate, "generate text, optionally with a drafter"),
+    "bench": Command(BenchConfig, run_bench, "measure drafters vs plain decoding: speedup, acceptance, "
+                     "break-even; write report.json, report.md and plots"),
 }
 
 

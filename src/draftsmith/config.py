@@ -169,7 +169,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         if tp is bool:
             kw["action"] = argparse.BooleanOptionalAction
         elif get_origin(tp) in (list, tuple):
+            # "extend": both `--flag a b` and `--flag a --flag b` collect every value
             kw["nargs"] = "+"
+            kw["action"] = "extend"
         parser.add_argument(flag_name(f.name), dest=f.name, **kw)
 
 

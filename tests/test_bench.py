@@ -1,0 +1,280 @@
+"""Tests of the benchmark: arithmetic with known answers, and tiny end-to-end runs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from draftsmith import bench
+from draftsmith.bench import (BenchConfig, CostModel, DrafterProfile, Row, benchmark, best_k, bootstrap_ci,
+                              break_even_alpha, expected_tokens, limiting_term, paired_ratios, predict,
+                              predicted_speedup, summarize, timed_run)
+from draftsmith.decoding.proposers import DraftModelProposer, NgramProposer, Proposal, Proposer
+from draftsmith.errors import DraftsmithError
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+    model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None  # exact token budgets: never stop early
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _prompts(n: int, length: int = 12) -> list[tuple[str, list[int]]]:
+    g = torch.Generator().manual_seed(1)
+    # a repeated half gives the n-gram drafter something to find
+    return [(f"p{i}", torch.randint(3, 128, (length // 2,), generator=g).tolist() * 2) for i in range(n)]
+
+
+def _cfg(tmp_path: Path, **kw) -> BenchConfig:
+    base = dict(verifier="tiny", out=tmp_path, drafter=["ngram"], num_prompts=2, max_new_tokens=10,
+                num_draft_tokens=[2], warmup_tokens=4, bootstrap=200, progress=False)
+    base.update(kw)
+    return BenchConfig(**base)
+
+
+# ----------------------------------------------------------------------------- acceptance
+def test_perfect_drafter_reports_acceptance_length_k_plus_1(tiny):
+    """The verifier drafting for itself is always accepted: every round emits k + 1 tokens."""
+    k, m = 3, 4
+    row = Row("self", "drafter", tiny, drafter="self", k=k, proposer=DraftModelProposer(tiny))
+    results = [timed_run(row, torch.tensor(ids), 1 + m * (k + 1), 0.0, seed=0) for _, ids in _prompts(2)]
+    acc = bench._pooled_acceptance(results, k)
+    assert acc["acceptance_length"] == k + 1
+    assert acc["acceptance_rate"] == 1.0
+    assert acc["per_position_acceptance"] == [1.0] * k
+    assert acc["tokens_per_round"] == k + 1
+    assert acc["length_counts"] == [0, 0, 0, 2 * m]
+    assert acc["drafted_fraction"] == 1.0
+
+
+# ----------------------------------------------------------------------------- break-even
+def test_expected_tokens_closed_form():
+    # alpha = 0.6, k = 4: E = (1 - 0.6^5) / (1 - 0.6) = (1 - 0.07776) / 0.4 = 2.3056
+    assert expected_tokens(4, alpha=0.6) == pytest.approx(2.3056, abs=1e-12)
+    assert expected_tokens(4, alpha=1.0) == 5.0
+    assert expected_tokens(4, alpha=0.0) == 1.0
+    # per-position form: E = 1 + 0.8 + 0.6 + 0.3 = 2.7; truncated at k = 2: 2.4
+    assert expected_tokens(3, per_position=[0.8, 0.6, 0.3]) == pytest.approx(2.7)
+    assert expected_tokens(2, per_position=[0.8, 0.6, 0.3]) == pytest.approx(2.4)
+    # beyond the measured positions the last ratio (0.3 / 0.6 = 0.5) continues: + 0.15 + 0.075
+    assert expected_tokens(5, per_position=[0.8, 0.6, 0.3]) == pytest.approx(2.925)
+    # per-position P(first i accepted) = alpha^i reproduces the alpha form
+    assert expected_tokens(4, per_position=[0.6 ** i for i in range(1, 5)]) == pytest.approx(2.3056)
+    with pytest.raises(ValueError):
+        expected_tokens(4)
+
+
+def test_predicted_speedup_closed_form():
+    # S = E T(1) / (T_verify(5) + 4 T_draft) = 2.3056 * 40 ms / (50 ms + 4 * 4 ms) = 92.224 / 66 = 1.397333...
+    e = expected_tokens(4, alpha=0.6)
+    assert predicted_speedup(e, 4, t1=0.040, t_verify=0.050, t_draft=0.004) == pytest.approx(1.3973333333, rel=1e-9)
+    # a free draft and a free verify make S = E
+    assert predicted_speedup(e, 4, 1.0, 1.0, 0.0) == pytest.approx(2.3056)
+
+
+def test_predict_full_drafts_equals_closed_form_and_factors_multiply():
+    k = 4
+    costs = CostModel({1: 0.040, 5: 0.050}, draft_fixed=0.0, draft_per_token=0.004)
+    profile = DrafterProfile(k, [0.6 ** i for i in range(1, k + 1)], [0, 0, 0, 0, 100])
+    p = predict(profile, costs, k)
+    assert p.speedup == pytest.approx(1.3973333333, rel=1e-9)
+    assert p.tokens_per_round == pytest.approx(2.3056)
+    assert p.seconds_per_round == pytest.approx(0.066)
+    assert (k + 1) * p.acceptance * p.verify * p.draft == pytest.approx(p.speedup)
+    assert p.acceptance == pytest.approx(2.3056 / 5)
+    assert p.verify == pytest.approx(0.040 / 0.050)
+    assert p.draft == pytest.approx(0.050 / 0.066)
+    assert limiting_term(p) == "acceptance"
+    assert not p.extrapolated and predict(profile, costs, 6).extrapolated
+
+
+def test_predict_partial_drafts_like_ngram():
+    # Half the rounds find no match (0 tokens), half propose k = 2 tokens with P(first i) = 0.5, 0.25.
+    # T_verify(n) = 1 + 0.1 (n - 1) s; a propose call costs 0.01 s whatever it finds.
+    costs = CostModel({1: 1.0, 2: 1.1, 3: 1.2}, draft_fixed=0.01, draft_per_token=0.0)
+    profile = DrafterProfile(2, [0.5, 0.25], [50, 0, 50])
+    p = predict(profile, costs, 2)
+    # tokens/round = 1 + 0.5 (0.5 + 0.25) = 1.375; s/round = 0.5*1.0 + 0.5*1.2 + 0.01 = 1.11
+    assert p.tokens_per_round == pytest.approx(1.375)
+    assert p.seconds_per_round == pytest.approx(1.11)
+    assert p.speedup == pytest.approx(1.375 / 1.11)
+    # at k = 1 the drafts are cut to 1 token: 1 + 0.5 * 0.5 = 1.25 tokens, 0.5*1.0 + 0.5*1.1 + 0.01 = 1.06 s
+    assert predict(profile, costs, 1).speedup == pytest.approx(1.25 / 1.06)
+
+
+def test_break_even_alpha_and_best_k():
+    # T(1) = 1, T_verify(3) = 1.2, T_draft = 0.1, k = 2: need E = 1.4 = 1 + a + a^2 -> a = (sqrt(2.6) - 1) / 2
+    assert break_even_alpha(2, 1.0, 1.2, 0.1) == pytest.approx((math.sqrt(2.6) - 1) / 2, abs=1e-9)
+    assert break_even_alpha(2, 1.0, 2.5, 0.5) is None  # needs 3.5 > k + 1 tokens per forward
+    assert break_even_alpha(2, 1.0, 0.8, 0.0) == 0.0   # verifying 3 tokens is cheaper than 1
+    costs = CostModel({n: 1.0 + 0.05 * (n - 1) for n in range(1, 10)}, draft_per_token=0.02)
+    profile = DrafterProfile(8, [0.7 ** i for i in range(1, 9)], [0] * 8 + [10])
+    preds = [predict(profile, costs, k) for k in range(1, 9)]
+    closed = [expected_tokens(k, alpha=0.7) / (1 + 0.05 * k + 0.02 * k) for k in range(1, 9)]
+    assert [p.speedup for p in preds] == pytest.approx(closed)
+    assert best_k(preds).k == int(np.argmax(closed)) + 1
+
+
+# ----------------------------------------------------------------------------- statistics
+def test_paired_ratio_and_bootstrap_known_answers():
+    plain_s = [1.0, 4.0, 0.5, 9.0, 2.5]
+    assert paired_ratios([2 / s for s in plain_s], [1 / s for s in plain_s]) == [2.0] * 5
+    assert bootstrap_ci([2.0] * 7) == (2.0, 2.0)
+    assert bootstrap_ci([3.5]) == (3.5, 3.5)
+    # the median of a resample of {1, 2} is 1, 1.5 or 2 w.p. 1/4, 1/2, 1/4: its 2.5/97.5 percentiles are 1 and 2
+    assert bootstrap_ci([1.0, 2.0], seed=3) == (1.0, 2.0)
+    # the 95% interval of a mean of n normal draws is close to mean +- 1.96 sd / sqrt(n)
+    x = np.random.default_rng(0).normal(10.0, 2.0, 400)
+    lo, hi = bootstrap_ci(x, statistic=np.mean, n_resamples=4000)
+    half = 1.96 * x.std(ddof=1) / math.sqrt(x.size)
+    assert lo == pytest.approx(x.mean() - half, abs=0.05) and hi == pytest.approx(x.mean() + half, abs=0.05)
+    assert bootstrap_ci(x, seed=5) == bootstrap_ci(x, seed=5)  # seeded: reproducible
+    with pytest.raises(ValueError):
+        paired_ratios([1.0], [1.0, 2.0])
+    assert summarize([1, 2, 3, 4, 5]) == {"median": 3.0, "p25": 2.0, "p75": 4.0, "min": 1.0, "max": 5.0, "n": 5}
+
+
+def test_unpaired_ratio_is_a_negative_control():
+    """Prompts differ 20x in speed; the drafter is exactly 2x on each. Pairing sees it; shuffling does not."""
+    rng = np.random.default_rng(0)
+    plain_tps = np.exp(rng.uniform(0, 3, 30))
+    spec_tps = 2 * plain_tps
+    paired = paired_ratios(spec_tps, plain_tps)
+    assert bootstrap_ci(paired) == pytest.approx((2.0, 2.0))
+    shuffled = paired_ratios(rng.permutation(spec_tps), plain_tps)
+    lo, hi = bootstrap_ci(shuffled)
+    assert hi - lo > 1.0
+    assert max(abs(r - 2.0) for r in shuffled) > 2.0
+
+
+# ----------------------------------------------------------------------------- end to end (tiny)
+class _WrongDrafter(Proposer):
+    """Drafts tokens the verifier almost never picks; raises KeyboardInterrupt at call ``stop_at``."""
+
+    def __init__(self, stop_at: int | None = None) -> None:
+        self.calls, self.stop_at = 0, stop_at
+
+    def propose(self, ctx, k, sampling, generator):
+        self.calls += 1
+        if self.stop_at is not None and self.calls >= self.stop_at:
+            raise KeyboardInterrupt
+        return Proposal((ctx.tokens[-1] + 1 + torch.arange(k)) % 128)
+
+
+def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
+    cfg = _cfg(tmp_path, num_draft_tokens=[2, 3])
+    drafters = {"ngram": NgramProposer(), "perfect": DraftModelProposer(tiny), "wrong": _WrongDrafter()}
+    report = benchmark(tiny, _prompts(2), drafters, cfg, tmp_path, {"verifier": "tiny", "dataset": "synthetic"})
+    on_disk = json.loads((tmp_path / "report.json").read_text())
+    assert on_disk["partial"] is False and on_disk["rows"] == json.loads(json.dumps(report["rows"]))
+    names = [r["name"] for r in report["rows"]]
+    assert names[0] == "plain (ours)" and "HF generate" in names and "HF prompt lookup k=3" in names
+    assert len(names) == 1 + 3 * 2 + 2
+    for r in report["rows"]:
+        assert r["identical_output_rate"] == 1.0, r["name"]  # greedy: every row reproduces plain decoding
+        assert r["tokens_per_second"]["n"] == 2 and r["speedup"]["n"] == 2
+        assert r["peak_rss_bytes"] > 0
+    for k in (2, 3):  # 10 tokens = 1 + 3 * (2 + 1) = 1 + 2 * (3 + 1) + 1 (a last round without drafts)
+        perfect = next(r for r in report["rows"] if r["name"] == f"perfect k={k}")
+        assert perfect["acceptance"]["acceptance_length"] == k + 1
+    wrong = report["break_even"]["wrong"]
+    assert {"best_k", "predicted", "measured", "held_back_by", "factors"} <= set(wrong)
+    assert wrong["measured"].keys() == {"2", "3"}
+    assert report["costs"]["t1_seconds"] > 0 and len(report["costs"]["t_verify_seconds"]) == 9
+    md = (tmp_path / "report.md").read_text()
+    assert len(md.splitlines()) <= 40 and "| plain (ours) |" in md and "held back by" in md
+    for plot in bench.PLOTS:
+        assert (tmp_path / plot).stat().st_size > 10_000, plot
+    # the verdicts a person must not miss
+    report["break_even"]["wrong"].update(measured_speedup=0.8, below_break_even=True, meets_target=False)
+    report["rows"][1]["identical_output_rate"], report["rows"][1]["identical_prompts"] = 0.5, "1/2"
+    md = bench.render_markdown(report)
+    assert "this draft makes decoding slower by 20% (0.80x at k=" in md
+    assert "WARNING: ngram k=2 output equals plain decoding on only 1/2 prompts" in md and "a bug" in md
+    assert len(md.splitlines()) <= 40
+
+
+def test_ctrl_c_leaves_a_partial_report(tiny, tmp_path):
+    # Before the timed loop: calibration at k = 1 and 3 and the warm-up make 8 calls each (10 tokens, never
+    # accepted); so call 30 falls in the first timed drafter run, after the plain run of prompt 1.
+    cfg = _cfg(tmp_path, num_draft_tokens=[3], num_prompts=3, warmup_tokens=10, hf_reference=False)
+    with pytest.raises(KeyboardInterrupt):
+        benchmark(tiny, _prompts(3), {"wrong": _WrongDrafter(stop_at=30)}, cfg, tmp_path, {})
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["partial"] is True and "interrupted" in report["note"]
+    assert [r["name"] for r in report["rows"]] == ["plain (ours)"]
+    assert report["prompts"]["runs"] == 1 and report["prompts"]["requested"] == 3
+    assert "PARTIAL" in (tmp_path / "report.md").read_text()
+
+
+# ----------------------------------------------------------------------------- config, CLI, prompts
+def test_config_validation_names_the_flag(tmp_path):
+    with pytest.raises(DraftsmithError, match="--drafter or --draft"):
+        BenchConfig(verifier="x", out=tmp_path)
+    with pytest.raises(DraftsmithError, match="--num-draft-tokens"):
+        _cfg(tmp_path, num_draft_tokens=[0, 3])
+    with pytest.raises(DraftsmithError, match="--dataset"):
+        _cfg(tmp_path, dataset=str(tmp_path / "missing.jsonl"))
+    with pytest.raises(DraftsmithError, match="--draft"):
+        _cfg(tmp_path, draft=[str(tmp_path / "nope")])
+    assert _cfg(tmp_path, num_draft_tokens=[5, 2, 5]).num_draft_tokens == [2, 5]
+
+
+def test_cli_repeatable_drafter_and_k_list(tmp_path):
+    from draftsmith.cli import build_parser
+    from draftsmith.config import from_args
+
+    ns = build_parser().parse_args(["bench", "--verifier", "v", "--out", str(tmp_path), "--drafter", "ngram",
+                                    "--drafter", "ngram:2", "model:x", "--num-draft-tokens", "2", "4"])
+    cfg = from_args(ns._command.config, ns)
+    assert isinstance(cfg, BenchConfig)
+    assert cfg.drafter == ["ngram", "ngram:2", "model:x"] and cfg.num_draft_tokens == [2, 4]
+    from draftsmith.cli import EXIT_ERROR, main
+
+    assert main(["bench", "--verifier", "v", "--out", str(tmp_path)]) == EXIT_ERROR  # no drafter: one-line error
+
+
+class _CharTokenizer:
+    chat_template = None
+
+    def __call__(self, text):
+        return {"input_ids": [ord(c) % 128 for c in text]}
+
+
+def test_eval_prompt_loaders(tmp_path):
+    mt = bench._load_eval_prompts("mt-bench", _CharTokenizer(), None)
+    assert len(mt) == 80 and mt[0][0] == "mt-bench/81"
+    he = bench._load_eval_prompts("humaneval", _CharTokenizer(), 3)
+    assert [pid for pid, _ in he] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ab"}\n\n{"id": "q", "messages": [{"role": "user", "content": "cd"}, '
+                 '{"role": "assistant", "content": "x"}]}\n{"turns": ["ef", "gh"]}\n')
+    assert bench._load_eval_prompts(str(f), _CharTokenizer(), None) == [
+        ("line-1", [97, 98]), ("q", [99, 100]), ("line-4", [101, 102])]
+    f.write_text('{"answer": 1}\n')
+    with pytest.raises(DraftsmithError, match="line 1"):
+        bench._load_eval_prompts(str(f), _CharTokenizer(), None)
+
+
+@pytest.mark.slow
+def test_bench_cli_on_smollm2(tmp_path):
+    from draftsmith.cli import main
+
+    rc = main(["bench", "--verifier", "smollm2-135m", "--drafter", "ngram", "--num-prompts", "1",
+               "--max-new-tokens", "8", "--num-draft-tokens", "3", "--warmup-tokens", "4",
+               "--no-hf-reference", "--no-progress", "--threads", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["provenance"]["fingerprint"] and report["rows"][1]["identical_output_rate"] == 1.0
