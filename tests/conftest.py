@@ -73,3 +73,27 @@ def smollm2():
     from draftsmith.models.verifier import load_verifier
 
     return load_verifier("smollm2-135m", dtype="float32", device="cpu")
+
+
+def verifier_samples(verifier: torch.nn.Module, n: int, seed: int = 0, prompt_len: int = 8, gen_len: int = 40,
+                     aux_layer_ids: tuple[int, ...] = (1, 2, 3)) -> list[dict]:
+    """Captured-sample dicts (the format data.capture yields) from the verifier's own greedy outputs."""
+    from draftsmith import generate
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        prompt = torch.randint(2, verifier.config.vocab_size, (prompt_len,), generator=g).tolist()
+        gen = generate(verifier, prompt, max_new_tokens=gen_len, eos_token_id=[]).token_ids
+        ids = torch.tensor(prompt + gen)
+        seen = {}
+        hook = verifier.get_output_embeddings().register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0]))
+        with torch.no_grad():
+            o = verifier(ids[None], output_hidden_states=True)
+        hook.remove()
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        mask[prompt_len:] = True
+        out.append({"input_ids": ids, "loss_mask": mask,
+                    "aux": torch.cat([o.hidden_states[i][0] for i in aux_layer_ids], -1),
+                    "last": seen["x"][0]})
+    return out

@@ -86,6 +86,7 @@ class TrainResult:
     steps: int
     seconds: float
     metrics: dict[str, Any]
+    draft: Eagle3Draft  # the final in-memory weights (the best ones are in ``draft_dir``)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -244,7 +245,8 @@ def _config_hash(cfg: TrainConfig) -> str:
 
 # ----------------------------------------------------------------------------- the loop
 def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.nn.Module | None = None,
-          fingerprint: str | None = None, progress: bool = True) -> TrainResult:
+          fingerprint: str | None = None, aux_layer_ids: list[int] | None = None,
+          progress: bool = True) -> TrainResult:
     """Train a draft; resumes from ``cfg.out`` when it holds a checkpoint of the same config.
 
     Args:
@@ -252,6 +254,8 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
         samples: captured samples (online mode); default: read ``cfg.data`` shards.
         verifier: the loaded verifier (default: loaded from ``cfg.verifier``).
         fingerprint: the verifier's fingerprint (default: computed on load).
+        aux_layer_ids: verifier layers the samples' ``aux`` holds (default: the shards'
+            manifest, else [2, n//2, n-3]).
         progress: show a progress bar on rank 0.
     """
     from tqdm.auto import tqdm
@@ -284,8 +288,11 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
         counts = token_counts((samples[i] for i in train_idx), verifier.get_output_embeddings().weight.shape[0])
         vocab = select_vocab(counts, min(cfg.draft_vocab_size, counts.shape[0]))
         vocab_cov = coverage(counts, vocab)
-        draft = build_draft(verifier, vocab, cfg.seed, num_draft_tokens=cfg.num_draft_tokens,
-                            verifier_name=cfg.verifier)
+        draft = build_draft(verifier, vocab, cfg.seed, aux_layer_ids=aux_layer_ids,
+                            num_draft_tokens=cfg.num_draft_tokens, verifier_name=cfg.verifier)
+    if aux_layer_ids is not None and list(draft.config.aux_layer_ids) != list(aux_layer_ids):
+        raise DraftsmithError(f"the samples hold aux layers {list(aux_layer_ids)} but the draft reads "
+                              f"{draft.config.aux_layer_ids}")
     draft.config.num_draft_tokens = cfg.num_draft_tokens
     draft.config.verifier_name = draft.config.verifier_name or cfg.verifier
     from draftsmith.models.eagle3 import Eagle3Proposer
@@ -470,4 +477,4 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
                "vocab_coverage": vocab_cov, "best_val_acceptance_length": best}
     if dist.main:
         atomic_write_json(out / "train_summary.json", summary)
-    return TrainResult(out / "draft", best, step, seconds, summary)
+    return TrainResult(out / "draft", best, step, seconds, summary, draft)

@@ -1,0 +1,138 @@
+"""Training: packing/mask alignment, overfitting, resume, DDP, warm start."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_model, verifier_samples
+from draftsmith.train import loop as loop_mod
+from draftsmith.train.loop import TrainConfig, train
+from draftsmith.train.loss import step_mask
+from draftsmith.train.packing import collate, pack_rows
+
+AUX = [1, 2, 3]
+
+
+def _verifier():
+    return tiny_model("llama", layers=4)
+
+
+@pytest.fixture(scope="module")
+def samples():
+    return verifier_samples(_verifier(), 6, gen_len=30, aux_layer_ids=tuple(AUX))
+
+
+def _cfg(tmp_path: Path, **kw) -> TrainConfig:
+    base = dict(verifier="tiny", out=str(tmp_path / "run"), draft_vocab_size=96, pack_tokens=64, lr=3e-3,
+                val_fraction=0.0, eval_every=1000, checkpoint_every=1000, precision="fp32", ttt_steps=3,
+                warmup_ratio=0.0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _train(cfg, samples, **kw):
+    return train(cfg, samples=samples, verifier=_verifier(), fingerprint="tinyfp", aux_layer_ids=AUX,
+                 progress=False, **kw)
+
+
+def test_packing_alignment_by_hand():
+    """Two documents of 5 and 4 tokens: positions, targets and masks computed by hand."""
+    s1 = {"input_ids": torch.tensor([10, 11, 12, 13, 14]), "loss_mask": torch.tensor([0, 0, 1, 1, 1]).bool(),
+          "aux": torch.arange(5.0)[:, None].repeat(1, 3), "last": torch.arange(100.0, 105.0)[:, None]}
+    s2 = {"input_ids": torch.tensor([20, 21, 22, 23]), "loss_mask": torch.tensor([0, 1, 1, 1]).bool(),
+          "aux": torch.arange(5.0, 9.0)[:, None].repeat(1, 3), "last": torch.arange(200.0, 204.0)[:, None]}
+    rows = pack_rows([s1, s2], [0, 1], pack_tokens=16)
+    assert rows == [[0, 1]]
+    b = collate([s1, s2], rows[0], 16)
+    assert b.input_ids.tolist() == [[11, 12, 13, 14, 21, 22, 23]]          # x_{t+1}
+    assert b.position_ids.tolist() == [[1, 2, 3, 4, 1, 2, 3]]              # restart per document
+    assert b.doc.tolist() == [[0, 0, 0, 0, 1, 1, 1]]
+    assert b.next_tokens.tolist() == [[12, 13, 14, -1, 22, 23, -1]]        # x_{t+2}
+    assert b.mask.tolist() == [[True, True, True, False, True, True, False]]  # x_{t+2} is assistant
+    assert b.aux[0, :, 0].tolist() == [0, 1, 2, 3, 5, 6, 7]               # g_t
+    assert b.last[0, :, 0].tolist() == [101, 102, 103, 104, 201, 202, 203]  # verifier at t+1
+    assert b.attn_mask[0, 4].tolist() == [False] * 4 + [True] + [False] * 2
+    # step 1 shifts by one inside each document; step 2 likewise
+    assert step_mask(b.mask, b.doc, 1).tolist() == [[True, True, False, False, True, False, False]]
+    assert step_mask(b.mask, b.doc, 2).tolist() == [[True, False, False, False, False, False, False]]
+    # packing respects the budget: 4 + 3 positions do not fit in 5
+    assert pack_rows([s1, s2], [0, 1], pack_tokens=5) == [[0], [1]]
+
+
+def test_overfits_fixed_batch(tmp_path, samples):
+    """The draft can memorise one tiny batch: loss falls to near zero, accuracy to ~1."""
+    cfg = _cfg(tmp_path, epochs=300, lr=3e-3, step_weight=1.0)
+    res = _train(cfg, samples[:1])
+    m = res.metrics
+    first = json.loads(open(Path(cfg.out) / "metrics.jsonl").readline())
+    assert m["loss"] < 0.05 * first["loss"]
+    assert m["step_loss"][0] < 0.05
+    assert min(m["step_acc"]) > 0.95
+
+
+def test_resume_reproduces_uninterrupted_run(tmp_path, samples, monkeypatch):
+    full = _cfg(tmp_path / "a", epochs=6, checkpoint_every=2)
+    _train(full, samples)
+    ref = torch.load(sorted((Path(full.out) / "checkpoints").glob("step-*.pt"))[-1], weights_only=False)
+
+    cut = _cfg(tmp_path / "b", epochs=6, checkpoint_every=2)
+    calls = {"n": 0}
+    real = loop_mod.collate
+
+    def interrupting(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(loop_mod, "collate", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        _train(cut, samples)
+    monkeypatch.setattr(loop_mod, "collate", real)
+    _train(cut, samples)
+    got = torch.load(sorted((Path(cut.out) / "checkpoints").glob("step-*.pt"))[-1], weights_only=False)
+    assert got["step"] == ref["step"]
+    for k, v in ref["model"].items():
+        assert torch.equal(v, got["model"][k]), k
+
+
+def test_resume_refuses_other_config(tmp_path, samples):
+    cfg = _cfg(tmp_path, epochs=1)
+    _train(cfg, samples)
+    from draftsmith.errors import DraftsmithError
+
+    with pytest.raises(DraftsmithError, match="different configuration"):
+        _train(_cfg(tmp_path, epochs=1, lr=1e-4), samples)
+
+
+def test_validation_acceptance_improves(tmp_path, samples):
+    cfg = _cfg(tmp_path, epochs=40, val_fraction=0.3, eval_every=10)
+    res = _train(cfg, samples)
+    lines = [json.loads(x) for x in open(Path(cfg.out) / "metrics.jsonl")]
+    vals = [r["val_acceptance_length"] for r in lines if "val_acceptance_length" in r]
+    assert vals[-1] >= vals[0] and res.best_acceptance_length == max(vals)
+    assert (Path(cfg.out) / "draft" / "config.json").is_file()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="torchrun gloo test needs linux")
+def test_torchrun_two_ranks_identical(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parents[1] / "src")]),
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+           str(Path(__file__).parent / "ddp_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    w0 = torch.load(tmp_path / "rank0.pt")
+    w1 = torch.load(tmp_path / "rank1.pt")
+    assert w0.keys() == w1.keys()
+    for k in w0:
+        assert torch.equal(w0[k], w1[k]), k
+    # the weights moved (training happened)
+    assert not torch.equal(w0["fc.weight"], torch.load(tmp_path / "init.pt")["fc.weight"])
