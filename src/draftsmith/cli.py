@@ -14,6 +14,9 @@ from draftsmith.bench import BenchConfig, run_bench
 from draftsmith.config import add_arguments, from_args, opt
 from draftsmith.drafters import DRAFTER_HELP
 from draftsmith.errors import DraftsmithError, GateFailed
+from draftsmith.pipeline.config import DataSection
+from draftsmith.pipeline.runner import PipelineRunConfig, RefreshConfig, refresh_cli, run_pipeline_cli
+from draftsmith.train.loop import TrainConfig
 
 EXIT_ERROR = 2
 EXIT_GATE_FAILED = 3
@@ -69,6 +72,51 @@ def run_generate(cfg: GenerateConfig) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- data / train
+@dataclass
+class DataConfig(DataSection):
+    """Regenerate responses with the verifier and capture its hidden states into shards
+    (cached and resumable; the shards go to OUT/shards for `draftsmith train --data`)."""
+
+    verifier: str = opt("smollm2-135m", "verifier: HF dir, .gguf file or alias")
+    out: str = opt("runs/data", "output directory")
+    dtype: str = opt("auto", "verifier dtype")
+    device: str = opt("auto", "device")
+
+
+def run_data(cfg: Any) -> int:
+    from pathlib import Path
+
+    from draftsmith.config import to_dict
+    from draftsmith.pipeline import steps
+    from draftsmith.pipeline.cache import StepCache
+
+    out = Path(cfg.out)
+    v = steps.Verifier(cfg.verifier, cfg.dtype, cfg.device)
+    cache = StepCache(out / "steps")
+    data = to_dict(cfg)
+    p = cache.run("prompts", {"data": data}, lambda w: steps.prompts(cfg, w))
+    r = cache.run("regenerate", {"fp": v.fingerprint, "prompts": p["sha"], "data": data},
+                  lambda w: steps.regenerate(v, Path(p["path"]), cfg, w))
+    c = cache.run("capture", {"fp": v.fingerprint, "regenerated": r["sha"], "max_length": cfg.max_length},
+                  lambda w: steps.capture(v, Path(r["path"]), cfg, w))
+    link = out / "shards"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(Path(c["dir"]).resolve())
+    print(f"{c['tokens']} tokens from {r['count']} conversations captured -> {link}")
+    return 0
+
+
+def run_train(cfg: Any) -> int:
+    from draftsmith.train.loop import train
+
+    res = train(cfg)
+    print(f"trained {res.steps} steps in {res.seconds:.0f}s; best validation acceptance length "
+          f"{res.best_acceptance_length:.2f} (k={cfg.eval_steps}) -> {res.draft_dir}")
+    return 0
+
+
 # ----------------------------------------------------------------------------- the table
 @dataclass
 class Command:
@@ -79,6 +127,11 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "generate": Command(GenerateConfig, run_generate, "generate text, optionally with a drafter"),
+    "data": Command(DataConfig, run_data, "regenerate responses with the verifier and capture hidden states"),
+    "train": Command(TrainConfig, run_train, "train an EAGLE-3 draft on captured shards"),
+    "pipeline run": Command(PipelineRunConfig, run_pipeline_cli,
+                            "the whole job: data -> train -> bench -> gate -> export"),
+    "refresh": Command(RefreshConfig, refresh_cli, "retrain a draft after the verifier changed"),
     "bench": Command(BenchConfig, run_bench, "measure drafters vs plain decoding: speedup, acceptance, "
                      "break-even; write report.json, report.md and plots"),
 }

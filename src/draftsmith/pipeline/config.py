@@ -1,0 +1,138 @@
+"""Pipeline configuration: one YAML file (or flags) -> typed, validated sections.
+
+Every section is a dataclass; unknown keys and wrong types are rejected with the
+key's dotted name before any expensive step starts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from draftsmith.config import from_dict, load_yaml, opt
+from draftsmith.errors import DraftsmithError
+
+
+@dataclass
+class DataSection:
+    """Prompts and the verifier's regenerated responses."""
+
+    dataset: str = opt("sharegpt", "training prompts: sharegpt, a JSONL file or a datasets directory")
+    num_conversations: int = opt(400, "conversations to regenerate (the first N of the train split)")
+    max_new_tokens: int = opt(256, "longest regenerated response")
+    temperature: float = opt(0.0, "regeneration temperature (0: the verifier's greedy outputs)")
+    batch_size: int = opt(16, "regeneration batch size")
+    max_prompt_tokens: int = opt(512, "longer prompts are dropped")
+    max_length: int = opt(1024, "capture truncates samples to this many tokens")
+    capture_batch_size: int = opt(8, "capture forward batch size")
+    seed: int = opt(0, "split and sampling seed")
+
+    def __post_init__(self) -> None:
+        for name in ("num_conversations", "max_new_tokens", "batch_size", "max_prompt_tokens", "max_length",
+                     "capture_batch_size"):
+            if getattr(self, name) < 1:
+                raise DraftsmithError(f"data.{name} must be >= 1")
+
+
+@dataclass
+class TrainSection:
+    """Draft training (see `draftsmith train --help` for each field)."""
+
+    draft_vocab_size: int = opt(8192, "draft vocabulary size")
+    ttt_steps: int = opt(3, "training-time-test unroll length")
+    step_weight: float = opt(0.8, "loss weight decay per unroll step")
+    epochs: float = opt(6.0, "passes over the data")
+    lr: float = opt(1e-3, "peak learning rate")
+    pack_tokens: int = opt(1024, "positions per packed row")
+    grad_accum: int = opt(1, "rows per optimizer step")
+    val_fraction: float = opt(0.05, "held-out share for best-checkpoint selection")
+    eval_every: int = opt(50, "steps between validations")
+    init_from: str | None = opt(None, "warm-start from this draft (refresh)")
+    precision: Literal["auto", "fp32", "bf16"] = opt("auto", "training precision")
+    seed: int = opt(0, "seed")
+
+
+@dataclass
+class BenchSection:
+    """Measurement of the trained draft against plain decoding."""
+
+    dataset: str = opt("mt-bench", "held-out eval prompts: mt-bench, humaneval or a JSONL file")
+    num_prompts: int = opt(10, "prompts measured")
+    max_new_tokens: int = opt(128, "new tokens per prompt")
+    num_draft_tokens: list[int] = opt(default_factory=lambda: [3, 5], help="k values measured")
+    repeats: int = opt(1, "timed passes")
+    hf_reference: bool = opt(True, "include HF generate / prompt-lookup rows")
+
+
+@dataclass
+class GateSection:
+    """When a draft is deployable."""
+
+    min_speedup: float = opt(1.2, "smallest measured median speedup over plain decoding that passes")
+    require_identical: bool = opt(True, "greedy outputs must equal plain decoding on every prompt")
+    not_worse_than_previous: bool = opt(True, "a previous draft of the same verifier must not be faster")
+
+
+@dataclass
+class PipelineConfig:
+    """Everything a pipeline run needs; the YAML file mirrors this structure."""
+
+    verifier: str = opt("smollm2-135m", "verifier: HF dir, .gguf file or alias")
+    out: str = opt("runs/demo", "output directory")
+    preset: Literal["small", "full", "tiny"] = opt("small", "budget preset the sections start from")
+    num_draft_tokens: int | None = opt(None, "k written into the exported draft (default: the best measured k)")
+    verifier_name: str | None = opt(None, "verifier name written for vLLM (default: --verifier)")
+    previous_draft: str | None = opt(None, "draft to beat (default: OUT/draft when it exists)")
+    dtype: str = opt("auto", "verifier dtype")
+    device: str = opt("auto", "device")
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    bench: BenchSection = field(default_factory=BenchSection)
+    gate: GateSection = field(default_factory=GateSection)
+
+
+# Budgets measured on this project's 2-core CPU machine (see BENCHMARKS.md).
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "tiny": {"data": {"num_conversations": 24, "max_new_tokens": 48, "batch_size": 8, "max_length": 256},
+             "train": {"epochs": 2, "draft_vocab_size": 2048, "pack_tokens": 256, "eval_every": 10},
+             "bench": {"num_prompts": 2, "max_new_tokens": 32, "num_draft_tokens": [3], "hf_reference": False}},
+    "small": {},
+    "full": {"data": {"num_conversations": 3000, "max_new_tokens": 384, "max_length": 1536},
+             "train": {"epochs": 10, "draft_vocab_size": 16384, "pack_tokens": 2048, "eval_every": 200},
+             "bench": {"num_prompts": 80, "num_draft_tokens": [3, 4, 5, 6]}},
+}
+
+_SECTIONS = {"data": DataSection, "train": TrainSection, "bench": BenchSection, "gate": GateSection}
+
+
+def build_config(yaml_path: str | None = None, overrides: dict[str, Any] | None = None) -> PipelineConfig:
+    """Preset defaults <- YAML file <- command-line overrides, validated."""
+    raw: dict[str, Any] = load_yaml(yaml_path) if yaml_path else {}
+    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    preset = raw.get("preset", "small")
+    if preset not in PRESETS:
+        raise DraftsmithError(f"preset: unknown {preset!r}; choose one of {sorted(PRESETS)}")
+    merged: dict[str, Any] = {k: v for k, v in raw.items() if k not in _SECTIONS}
+    for name in _SECTIONS:
+        section = raw.get(name) or {}
+        if not isinstance(section, dict):
+            raise DraftsmithError(f"{name}: expected a mapping, got {type(section).__name__}")
+        merged[name] = {**PRESETS[preset].get(name, {}), **section}
+    cfg = from_dict(PipelineConfig, merged)
+    check_out_dir(Path(cfg.out))
+    return cfg
+
+
+def check_out_dir(out: Path) -> None:
+    """Fail early (before any expensive step) when the output directory cannot be written."""
+    probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
+    if out.exists() and not out.is_dir():
+        raise DraftsmithError(f"out: {out} exists and is not a directory")
+    if not os.access(probe, os.W_OK):
+        raise DraftsmithError(f"out: {out} is not writable (no write permission on {probe})")
+
+
+def section_names() -> list[str]:
+    return [f.name for f in fields(PipelineConfig)]

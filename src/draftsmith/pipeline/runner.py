@@ -1,0 +1,200 @@
+"""`draftsmith pipeline run` and `draftsmith refresh`: prompts -> ... -> gate -> export.
+
+Every step is cached by a hash of its inputs (see :mod:`draftsmith.pipeline.cache`),
+so a re-run with nothing changed does no work and an interrupted run resumes in the
+step it stopped in. The verdict and its reasons go to ``OUT/report.json``; the exit
+code says it (0 passed, 3 gate failed, 2 error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from draftsmith.config import opt, to_dict
+from draftsmith.errors import DraftsmithError, GateFailed
+from draftsmith.pipeline import steps
+from draftsmith.pipeline.cache import StepCache, digest
+from draftsmith.pipeline.config import PipelineConfig, build_config
+from draftsmith.utils import atomic_write_json, command_line, environment_info
+
+
+def _previous_draft(cfg: PipelineConfig, fingerprint: str) -> Path | None:
+    """The draft to beat: --previous-draft, else OUT/draft made for this same verifier."""
+    from draftsmith.export import read_provenance
+
+    if cfg.previous_draft:
+        p = Path(cfg.previous_draft)
+        if not (p / "config.json").is_file():
+            raise DraftsmithError(f"previous_draft: {p} is not a draft directory")
+        return p
+    p = Path(cfg.out) / "draft"
+    if (p / "config.json").is_file():
+        prov = read_provenance(p) or {}
+        if prov.get("verifier_fingerprint") == fingerprint:
+            return p
+    return None
+
+
+def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = "pipeline") -> dict[str, Any]:
+    """Run every step; return the report (also written to ``OUT/report.json``).
+
+    Args:
+        cfg: the validated configuration.
+        baseline_draft: a draft to measure on this verifier before training (refresh's
+            drift measurement); it is also the "previous" draft the gate compares with.
+        mode: "pipeline" or "refresh" (recorded in the report).
+    """
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    v = steps.Verifier(cfg.verifier, cfg.dtype, cfg.device)
+    cache = StepCache(out / "steps")
+    fp = v.fingerprint
+    k_export = cfg.num_draft_tokens or max(cfg.bench.num_draft_tokens)
+    report: dict[str, Any] = {"mode": mode, "verifier": cfg.verifier, "verifier_fingerprint": fp,
+                              "config": to_dict(cfg), "command": command_line(),
+                              "environment": environment_info()}
+
+    previous = baseline_draft or _previous_draft(cfg, fp)
+    drift = None
+    if baseline_draft is not None:  # refresh: how does the stale draft do on the new verifier?
+        b = cache.run("drift", {"fp": fp, "draft": steps.file_digest(baseline_draft / "model.safetensors"),
+                                "bench": to_dict(cfg.bench)},
+                      lambda w: steps.bench(v, {"candidate": baseline_draft}, cfg.bench, w))
+        drift = b["summary"]
+        report["before"] = drift
+
+    p = cache.run("prompts", {"data": to_dict(cfg.data)}, lambda w: steps.prompts(cfg.data, w))
+    r = cache.run("regenerate", {"fp": fp, "prompts": p["sha"], "data": to_dict(cfg.data)},
+                  lambda w: steps.regenerate(v, Path(p["path"]), cfg.data, w))
+    c = cache.run("capture", {"fp": fp, "regenerated": r["sha"], "max_length": cfg.data.max_length},
+                  lambda w: steps.capture(v, Path(r["path"]), cfg.data, w))
+    train_inputs = {"fp": fp, "shards": c["sha"], "train": to_dict(cfg.train), "k": k_export}
+    if cfg.train.init_from:
+        train_inputs["init"] = steps.file_digest(Path(cfg.train.init_from) / "model.safetensors")
+    t = cache.run("train", train_inputs,
+                  lambda w: steps.train(v, Path(c["dir"]), cfg.train, w, k_export, cfg.verifier_name))
+    drafts = {"candidate": Path(t["draft_dir"])}
+    if previous is not None:
+        drafts["previous"] = previous
+    bench_inputs = {"fp": fp, "candidate": t["sha"], "bench": to_dict(cfg.bench),
+                    "previous": steps.file_digest(previous / "model.safetensors") if previous else None}
+    b = cache.run("bench", bench_inputs, lambda w: steps.bench(v, drafts, cfg.bench, w))
+    verdict = steps.gate(b["summary"], b.get("previous"), cfg.gate)
+
+    metrics = {**(b["summary"] or {}), "val_acceptance_length": t["best_val_acceptance_length"],
+               "bench_dataset": cfg.bench.dataset, "bench_prompts": cfg.bench.num_prompts}
+    provenance = {"training": {"data": to_dict(cfg.data), "train": to_dict(cfg.train),
+                               "tokens": c.get("tokens"), "steps": t["steps"],
+                               "train_seconds": t.get("train_seconds")},
+                  "gate": verdict, "pipeline_report": str(out / "report.json"), "mode": mode}
+    e = cache.run("export", {"draft": t["sha"], "bench": digest(b), "gate": verdict, "k": k_export,
+                             "name": cfg.verifier_name},
+                  lambda w: steps.export(Path(t["draft_dir"]), w / "draft", verifier_name=cfg.verifier_name,
+                                         num_draft_tokens=k_export, fingerprint=fp, metrics=metrics,
+                                         provenance=provenance))
+    candidate_dir = Path(e["dir"])
+    deployed = out / "draft"
+    if verdict["passed"] and candidate_dir.resolve() != deployed.resolve():
+        tmp = out / ".draft.new"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(candidate_dir, tmp)
+        if deployed.exists():
+            shutil.rmtree(deployed)
+        tmp.rename(deployed)
+
+    report.update({
+        "steps": cache.timings, "seconds": time.perf_counter() - t0,
+        "data": {"prompts": p["count"], "regenerated": r["count"], "tokens": c.get("tokens")},
+        "train": {k: t[k] for k in ("steps", "best_val_acceptance_length", "train_seconds")},
+        "bench": {"report": b["report"], "candidate": b["summary"], "previous": b.get("previous")},
+        "gate": verdict, "candidate_draft": str(candidate_dir),
+        "deployed_draft": str(deployed) if verdict["passed"] else None,
+    })
+    if drift is not None:
+        report["after"] = b["summary"]
+    atomic_write_json(out / "report.json", report)
+    return report
+
+
+def verdict_line(report: dict[str, Any]) -> str:
+    g = report["gate"]
+    s = g.get("speedup")
+    head = "PASS" if g["passed"] else "FAIL"
+    measured = (f"measured speedup {s:.2f}x at k={g.get('k')}, acceptance length {g['acceptance_length']:.2f}"
+                if s is not None else "not measured")
+    where = f" -> deployable draft: {report['deployed_draft']}" if g["passed"] else ""
+    return f"{head}: {measured}. {' '.join(g['reasons'])}{where}"
+
+
+def _finish(report: dict[str, Any], out: Path) -> int:
+    print(f"report: {out / 'report.json'} (bench details: {report['bench']['report']})")
+    if "before" in report:
+        b, a = report["before"], report.get("after")
+        if b and a:
+            print(f"refresh: acceptance length {b['acceptance_length']:.2f} -> {a['acceptance_length']:.2f}, "
+                  f"speedup {b['speedup']:.2f}x -> {a['speedup']:.2f}x")
+    print(verdict_line(report))
+    if not report["gate"]["passed"]:
+        raise GateFailed("; ".join(report["gate"]["reasons"]))
+    return 0
+
+
+# ----------------------------------------------------------------------------- CLI entries
+@dataclass
+class PipelineRunConfig:
+    """Run the whole pipeline: prompts -> regenerate -> capture -> vocab -> train -> bench -> gate -> export.
+
+    With no arguments it runs the embedded default (SmolLM2-135M, the `small` preset).
+    Steps are cached by their inputs: re-running with nothing changed does no work, and
+    an interrupted run resumes in the step it stopped in. Exit code: 0 gate passed,
+    3 gate failed, 2 error.
+    """
+
+    config: str | None = opt(None, "YAML file with the pipeline configuration (sections: data, train, bench, gate)",
+                             positional=True, metavar="CONFIG.yaml")
+    verifier: str | None = opt(None, "verifier (overrides the file; default smollm2-135m)")
+    preset: str | None = opt(None, "budget preset: tiny, small (default), full")
+    out: str | None = opt(None, "output directory (default runs/demo)")
+
+
+def run_pipeline_cli(args: PipelineRunConfig) -> int:
+    cfg = build_config(args.config, {"verifier": args.verifier, "preset": args.preset, "out": args.out})
+    return _finish(run(cfg), Path(cfg.out))
+
+
+@dataclass
+class RefreshConfig:
+    """Refresh a draft after the verifier changed: measure the stale draft on the new verifier
+    (drift), retrain warm-started from it, gate, and report before/after side by side."""
+
+    verifier: str = opt(help="the NEW verifier: HF dir, .gguf file or alias")
+    draft: str = opt(help="the OLD draft directory (speculators format)")
+    out: str = opt("runs/refresh", "output directory")
+    config: str | None = opt(None, "YAML pipeline configuration (data/train/bench/gate sections)")
+    preset: str | None = opt(None, "budget preset: tiny, small (default), full")
+    epochs: float | None = opt(None, "training epochs of the warm start (default: a third of the preset's)")
+
+
+def refresh(cfg: RefreshConfig) -> dict[str, Any]:
+    old = Path(cfg.draft)
+    if not (old / "config.json").is_file():
+        raise DraftsmithError(f"--draft {old}: not a draft directory (no config.json)")
+    pc = build_config(cfg.config, {"verifier": cfg.verifier, "preset": cfg.preset, "out": cfg.out})
+    epochs = cfg.epochs if cfg.epochs is not None else max(1.0, pc.train.epochs / 3)
+    pc = dataclasses.replace(pc, train=dataclasses.replace(pc.train, init_from=str(old), epochs=epochs))
+    return run(pc, baseline_draft=old, mode="refresh")
+
+
+def refresh_cli(cfg: RefreshConfig) -> int:
+    return _finish(refresh(cfg), Path(cfg.out))
+
+
+def load_report(out: Path) -> dict[str, Any]:
+    return json.loads((out / "report.json").read_text())

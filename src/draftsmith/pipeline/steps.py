@@ -1,0 +1,185 @@
+"""The pipeline's steps as plain functions of paths and configs.
+
+The CLI pipeline and the Kubeflow components call these same functions; each
+takes its inputs as files/directories and writes its outputs into a work
+directory, returning a small JSON-able summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.config import to_dict
+from draftsmith.errors import DraftsmithError
+from draftsmith.pipeline.cache import file_digest
+from draftsmith.pipeline.config import BenchSection, DataSection, GateSection, TrainSection
+
+
+class Verifier:
+    """The verifier, loaded once per process on first use."""
+
+    def __init__(self, spec: str, dtype: str = "auto", device: str = "auto") -> None:
+        self.spec, self.dtype, self.device = spec, dtype, device
+        self._loaded: Any = None
+
+    def _load(self) -> Any:
+        if self._loaded is None:
+            from draftsmith.models.verifier import load_verifier
+
+            self._loaded = load_verifier(self.spec, dtype=self.dtype, device=self.device)
+        return self._loaded
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._load().model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._load().tokenizer
+
+    @property
+    def fingerprint(self) -> str:
+        return self._load().fingerprint
+
+
+def prompts(data: DataSection, work: Path) -> dict[str, Any]:
+    """Training prompts (train split, evaluation sets excluded) -> ``prompts.jsonl``."""
+    from draftsmith.data.prompts import load_prompts
+
+    convs = load_prompts(data.dataset, split="train", limit=data.num_conversations, seed=data.seed)
+    path = work / "prompts.jsonl"
+    with open(path, "w") as f:
+        for c in convs:
+            f.write(json.dumps(c.to_record()) + "\n")
+    return {"path": str(path), "count": len(convs), "sha": file_digest(path)}
+
+
+def regenerate(v: Verifier, prompts_path: Path, data: DataSection, work: Path) -> dict[str, Any]:
+    """The verifier's own replies to the prompts -> ``regenerated.jsonl`` (resumable)."""
+    from draftsmith.data.capture import regenerate as _regenerate
+    from draftsmith.data.prompts import load_prompts
+
+    convs = load_prompts(prompts_path, split="all", exclude_eval=False, dedupe=False)
+    path = _regenerate(v.model, v.tokenizer, convs, work / "regenerated.jsonl", max_new_tokens=data.max_new_tokens,
+                       temperature=data.temperature, batch_size=data.batch_size,
+                       max_prompt_tokens=data.max_prompt_tokens, seed=data.seed, fingerprint=v.fingerprint)
+    lines = sum(1 for _ in open(path))
+    return {"path": str(path), "count": lines, "sha": file_digest(path)}
+
+
+def capture(v: Verifier, regenerated: Path, data: DataSection, work: Path) -> dict[str, Any]:
+    """Hidden states of the verifier over its regenerated conversations -> shards."""
+    from draftsmith.data.capture import capture_to_shards, load_regenerated, read_manifest
+
+    out = capture_to_shards(v.model, v.tokenizer, load_regenerated(regenerated), work / "shards",
+                            fingerprint=v.fingerprint, verifier_spec=v.spec, max_length=data.max_length,
+                            batch_size=data.capture_batch_size)
+    manifest = read_manifest(out)
+    return {"dir": str(out), "sha": file_digest(out / "manifest.json"),
+            "tokens": manifest.get("total_tokens"), "loss_tokens": manifest.get("total_loss_tokens"),
+            "aux_layer_ids": manifest.get("aux_layer_ids")}
+
+
+def train(v: Verifier, shards: Path, section: TrainSection, work: Path, num_draft_tokens: int = 5,
+          verifier_name: str | None = None) -> dict[str, Any]:
+    """Train the draft on the shards (resumable) -> ``train/draft``."""
+    from draftsmith.data.capture import read_manifest
+    from draftsmith.train.loop import TrainConfig
+    from draftsmith.train.loop import train as _train
+
+    cfg = TrainConfig(verifier=v.spec, data=str(shards), out=str(work / "train"),
+                      num_draft_tokens=num_draft_tokens, device=v.device,
+                      **{f.name: getattr(section, f.name) for f in dataclasses.fields(section)})
+    res = _train(cfg, verifier=v.model, fingerprint=v.fingerprint,
+                 aux_layer_ids=read_manifest(shards).get("aux_layer_ids"))
+    if not (res.draft_dir / "config.json").is_file():
+        raise DraftsmithError(f"training finished without a draft in {res.draft_dir}")
+    return {"draft_dir": str(res.draft_dir), "sha": file_digest(res.draft_dir / "model.safetensors"),
+            "best_val_acceptance_length": res.best_acceptance_length, "steps": res.steps,
+            "train_seconds": res.metrics.get("train_seconds"), "summary": res.metrics}
+
+
+def bench(v: Verifier, drafts: dict[str, Path], section: BenchSection, work: Path,
+          progress: bool = True) -> dict[str, Any]:
+    """Measure the drafts (label -> dir) against plain decoding on held-out prompts."""
+    from draftsmith.bench import BenchConfig, benchmark
+    from draftsmith.data.prompts import eval_prompts
+    from draftsmith.export import load_draft
+    from draftsmith.utils import command_line
+
+    cfg = BenchConfig(verifier=v.spec, out=work, draft=[str(d) for d in drafts.values()],
+                      dataset=section.dataset, num_prompts=section.num_prompts,
+                      max_new_tokens=section.max_new_tokens, num_draft_tokens=list(section.num_draft_tokens),
+                      repeats=section.repeats, hf_reference=section.hf_reference, progress=progress)
+    ids = eval_prompts(section.dataset, v.tokenizer, limit=section.num_prompts)
+    prompt_list = [(f"{section.dataset}-{i}", p) for i, p in enumerate(ids)]
+    proposers = {label: load_draft(d, v.model) for label, d in drafts.items()}
+    report = benchmark(v.model, prompt_list, proposers, cfg, work,
+                       {"verifier": v.spec, "fingerprint": v.fingerprint, "command": command_line(),
+                        "dataset": section.dataset, "drafts": {k: str(p) for k, p in drafts.items()}})
+    return {"report": str(work / "report.json"), "summary": summarize_drafter(report, "candidate"),
+            "previous": summarize_drafter(report, "previous") if "previous" in drafts else None}
+
+
+def summarize_drafter(report: dict[str, Any], label: str) -> dict[str, Any] | None:
+    """The drafter's best measured row: k, median speedup (and CI), acceptance, identical rate."""
+    rows = [r for r in report.get("rows", []) if r.get("drafter") == label and r["speedup"]["median"] is not None]
+    if not rows:
+        return None
+    best = max(rows, key=lambda r: r["speedup"]["median"])
+    hf = [r for r in report["rows"] if r["kind"] == "hf" and r["speedup"]["median"]]
+    be = report.get("break_even", {}).get(label, {})
+    return {"k": best["k"], "speedup": best["speedup"]["median"], "speedup_ci95": best["speedup"]["ci95"],
+            "acceptance_length": best["acceptance"]["acceptance_length"],
+            "per_position_acceptance": best["acceptance"]["per_position_acceptance"],
+            "identical_output_rate": best["identical_output_rate"],
+            "tokens_per_second": best["tokens_per_second"]["median"],
+            "predicted_speedup": be.get("measured", {}).get(str(best["k"]), {}).get("predicted"),
+            "held_back_by": be.get("held_back_by"), "recommended_k": be.get("best_k"),
+            "vs_hf": {r["name"]: best["tokens_per_second"]["median"] / r["tokens_per_second"]["median"]
+                      for r in hf if r["tokens_per_second"]["median"]}}
+
+
+def gate(candidate: dict[str, Any] | None, previous: dict[str, Any] | None, section: GateSection) -> dict[str, Any]:
+    """The deploy verdict: measured speedup, identical outputs, not worse than the previous draft."""
+    reasons: list[str] = []
+    if candidate is None:
+        return {"passed": False, "speedup": None, "acceptance_length": None,
+                "reasons": ["the draft was not measured (bench produced no row for it)"]}
+    s, al, same = candidate["speedup"], candidate["acceptance_length"], candidate["identical_output_rate"]
+    if s < section.min_speedup:
+        slower = f" (it makes decoding {100 * (1 - s):.0f}% slower)" if s < 1 else ""
+        reasons.append(f"measured speedup {s:.2f}x is below the gate's {section.min_speedup:.2f}x{slower}")
+    if section.require_identical and same is not None and same < 1.0:
+        reasons.append(f"greedy outputs differ from plain decoding on {100 * (1 - same):.0f}% of prompts")
+    if section.not_worse_than_previous and previous is not None and previous["speedup"] > s:
+        reasons.append(f"the previous draft is faster on this verifier ({previous['speedup']:.2f}x vs {s:.2f}x)")
+    passed = not reasons
+    if passed:
+        reasons.append(f"measured speedup {s:.2f}x >= {section.min_speedup:.2f}x with identical greedy outputs")
+    return {"passed": passed, "speedup": s, "acceptance_length": al, "k": candidate["k"], "reasons": reasons}
+
+
+def export(draft_dir: Path, out_dir: Path, *, verifier_name: str | None, num_draft_tokens: int | None,
+           fingerprint: str, metrics: dict[str, Any], provenance: dict[str, Any]) -> dict[str, Any]:
+    """Write the deployable draft (speculators format + model card) to ``out_dir``."""
+    from draftsmith.export import read_draft, save_draft
+
+    draft = read_draft(draft_dir)
+    path = save_draft(draft, out_dir, verifier_name=verifier_name, num_draft_tokens=num_draft_tokens,
+                      fingerprint=fingerprint, metrics=metrics, provenance=provenance)
+    return {"dir": str(path), "sha": file_digest(Path(path) / "model.safetensors")}
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def section_dict(section: Any) -> dict[str, Any]:
+    return to_dict(section)
