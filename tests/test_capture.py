@@ -1,0 +1,451 @@
+"""Regeneration and hidden-state capture: exact values, resume, provenance, corruption, disk full, bad input.
+
+Tiny random verifiers (conftest) with SmolLM2-135M's tokenizer (its vocabulary size).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from draftsmith.data import capture as C
+from draftsmith.data.chat import encode_chat
+from draftsmith.data.prompts import Conversation, tokenize_conversation
+from draftsmith.errors import DraftsmithError
+
+V = 49152  # SmolLM2's vocabulary: the tiny models cover every token id
+FP = "feedfacefeedface"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """SmolLM2-135M's tokenizer alone, from the cached conversion (converting once if needed)."""
+    from transformers import AutoTokenizer
+
+    from draftsmith.utils import cache_dir
+
+    dirs = sorted((cache_dir() / "gguf").glob("SmolLM2-135M-Instruct*/tokenizer.json"))
+    if dirs:
+        path = dirs[0].parent
+    else:
+        from draftsmith.models.verifier import resolve_spec
+
+        path = resolve_spec("smollm2-135m")
+    return AutoTokenizer.from_pretrained(path)
+
+
+def model(arch: str = "llama"):
+    return tiny_model(arch, vocab=V, layers=4)
+
+
+AUX = {"llama": None, "qwen3": [0, 2, 3], "gemma3": [1, 0]}  # gemma3's tiny config has 2 layers
+
+
+def prompts(n: int = 7) -> list[Conversation]:
+    words = "the sky is blue because air scatters short wavelengths more than long ones".split()
+    return [Conversation([{"role": "user", "content": f"Q{i}: " + " ".join(words[: 2 + (5 * i) % 13])}],
+                         id=f"q{i}", source="test") for i in range(n)]
+
+
+def chats(n: int = 7) -> list[Conversation]:
+    """Conversations of different lengths with replies (one multi-turn, one with a system turn)."""
+    out = []
+    for c in prompts(n):
+        i = int(c.id[1:])
+        msgs = list(c.messages) + [{"role": "assistant", "content": "Because " + "light bends " * (1 + i % 4)}]
+        if i == 2:
+            msgs = [{"role": "system", "content": "Be brief."}] + msgs
+        if i == 3:
+            msgs += [{"role": "user", "content": "And at sunset?"}, {"role": "assistant", "content": "Red."}]
+        out.append(Conversation(msgs, id=c.id, source="test"))
+    return out
+
+
+def reference(m, ids: list[int], aux_layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unbatched full forward: (aux [T, A*H], lm_head input [T, H], logits [T, V])."""
+    seen = {}
+    h = m.get_output_embeddings().register_forward_pre_hook(lambda mod, args: seen.setdefault("x", args[0]))
+    try:
+        with torch.no_grad():
+            out = m(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+    finally:
+        h.remove()
+    aux = torch.cat([out.hidden_states[i][0] for i in aux_layer_ids], -1)
+    return aux, seen["x"][0], out.logits[0]
+
+
+def files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.name != C.MANIFEST}
+
+
+# ----------------------------------------------------------------------------- capture values
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_shards_equal_an_unbatched_forward(tok, tmp_path, arch):
+    m, convs = model(arch), chats()
+    ids = C.resolve_aux_layer_ids(m, AUX[arch])
+    C.capture_to_shards(m, tok, convs, tmp_path, fingerprint=FP, verifier_spec="tiny", aux_layer_ids=AUX[arch],
+                        batch_size=3, samples_per_shard=4, dtype=torch.float32, progress=False)
+    samples = list(C.load_shards(tmp_path, FP))
+    assert len(samples) == len(convs)
+    for conv, s in zip(convs, samples):
+        expect = tokenize_conversation(tok, conv.messages, 2048)
+        assert s["input_ids"].tolist() == expect.input_ids
+        assert s["loss_mask"].dtype == torch.bool and s["loss_mask"].int().tolist() == expect.loss_mask
+        aux, last, logits = reference(m, expect.input_ids, ids)
+        assert s["aux"].shape == (len(expect.input_ids), len(ids) * 64)
+        torch.testing.assert_close(s["aux"], aux, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(s["last"], last, atol=1e-5, rtol=1e-5)
+        # `last` is exactly what lm_head reads, at every position
+        torch.testing.assert_close(m.get_output_embeddings()(s["last"]), m.get_output_embeddings()(last),
+                                   atol=1e-4, rtol=1e-5)
+        if getattr(m.config, "final_logit_softcapping", None) is None:
+            torch.testing.assert_close(m.get_output_embeddings()(s["last"]), logits, atol=1e-4, rtol=1e-5)
+    manifest = C.read_manifest(tmp_path)
+    assert manifest["aux_layer_ids"] == ids and manifest["dtype"] == "float32" and manifest["complete"]
+    assert manifest["total_tokens"] == sum(s["input_ids"].numel() for s in samples)
+    assert manifest["total_loss_tokens"] == sum(int(s["loss_mask"].sum()) for s in samples)
+    assert [e["samples"] for e in manifest["shards"]] == [4, 3]
+
+
+def test_default_aux_layers_and_bfloat16_storage(tok):
+    m = tiny_model("llama", vocab=V, layers=8)
+    convs = chats(3)
+    assert C.resolve_aux_layer_ids(m) == [2, 4, 5]
+    full = list(C.capture_samples(m, tok, convs, dtype=torch.float32))
+    half = list(C.capture_samples(m, tok, convs))  # default: bfloat16
+    for a, b in zip(full, half):
+        assert b["aux"].dtype == b["last"].dtype == torch.bfloat16 and b["aux"].shape == (a["aux"].shape[0], 3 * 64)
+        assert torch.equal(b["aux"], a["aux"].to(torch.bfloat16))
+        assert torch.equal(b["last"], a["last"].to(torch.bfloat16))
+
+
+def test_batching_and_padding_do_not_change_values(tok):
+    m, convs = model(), chats()
+    one = list(C.capture_samples(m, tok, convs, batch_size=1, dtype=torch.float32))
+    many = list(C.capture_samples(m, tok, convs, batch_size=5, window=3, dtype=torch.float32))
+    assert len(one) == len(many) == len(convs)
+    for a, b in zip(one, many):  # input order, whatever the batching
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        torch.testing.assert_close(a["aux"], b["aux"], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(a["last"], b["last"], atol=1e-4, rtol=1e-4)
+
+
+def test_online_mode_yields_what_the_shards_hold(tok, tmp_path):
+    m, convs = model(), chats()
+    online = list(C.capture_samples(m, tok, convs, batch_size=3, window=4))
+    C.capture_to_shards(m, tok, convs, tmp_path, fingerprint=FP, verifier_spec="tiny", batch_size=3,
+                        samples_per_shard=4, progress=False)
+    stored = list(C.load_shards(tmp_path, FP))
+    ds = C.ShardDataset(tmp_path, FP)
+    assert len(ds) == len(stored) == len(online) and ds.aux_layer_ids == [2, 2, 1]
+    for i, (a, b) in enumerate(zip(online, stored)):
+        assert a.keys() == b.keys() == set(C.SAMPLE_KEYS)
+        assert all(torch.equal(a[k], b[k]) and torch.equal(ds[i][k], b[k]) for k in C.SAMPLE_KEYS)
+    assert all(torch.equal(x["aux"], y["aux"]) for x, y in zip(ds, stored))
+
+
+def test_long_conversations_are_truncated_and_prompts_too_long_dropped(tok, tmp_path, caplog):
+    m = model()
+    long_prompt = Conversation([{"role": "user", "content": "word " * 80}, {"role": "assistant", "content": "ok"}],
+                               id="long")
+    convs = chats(3) + [long_prompt]
+    samples = list(C.capture_samples(m, tok, convs, max_length=45))  # full lengths 41, 49, 43; prompt 111
+    assert [s["input_ids"].numel() for s in samples] == [41, 45, 43]
+    assert samples[1]["loss_mask"][-1] and "1 too long, 1 truncated" in caplog.text
+    with pytest.raises(DraftsmithError, match="1 have prompts that fill --max-length 40"):
+        list(C.capture_samples(m, tok, [long_prompt], max_length=40))
+    with pytest.raises(DraftsmithError, match="no samples captured"):
+        C.capture_to_shards(m, tok, [long_prompt], tmp_path, fingerprint=FP, verifier_spec="t", max_length=40,
+                            progress=False)
+
+
+def test_bad_input_is_a_clear_error(tok, tmp_path):
+    m = model()
+    for call in (lambda c: C.capture_samples(m, tok, c),
+                 lambda c: C.capture_to_shards(m, tok, c, tmp_path / "x", fingerprint=FP, verifier_spec="t"),
+                 lambda c: C.regenerate(m, tok, c, tmp_path / "r.jsonl", progress=False)):
+        with pytest.raises(DraftsmithError, match="the dataset is empty"):
+            call([])
+    with pytest.raises(DraftsmithError, match="none of the 7 conversations has an assistant turn"):
+        C.capture_samples(m, tok, prompts())  # raised at the call, not at the first next()
+    with pytest.raises(DraftsmithError, match="none of the 7"):
+        C.capture_to_shards(m, tok, prompts(), tmp_path / "y", fingerprint=FP, verifier_spec="t")
+    assert not (tmp_path / "y").exists()
+    with pytest.raises(DraftsmithError, match=r"aux layer ids \[4\] out of range for a 4-layer"):
+        C.capture_samples(m, tok, chats(), aux_layer_ids=[4])
+    with pytest.raises(DraftsmithError, match="needs >= 4 layers"):
+        C.capture_samples(model("gemma3"), tok, chats())
+    with pytest.raises(DraftsmithError, match="is not a capture directory"):
+        list(C.load_shards(tmp_path))
+
+
+# ----------------------------------------------------------------------------- shards: resume, provenance, damage
+def capture(m, tok, convs, out, **kw):
+    kw = {"fingerprint": FP, "verifier_spec": "tiny", "batch_size": 2, "samples_per_shard": 3, "progress": False,
+          **kw}
+    return C.capture_to_shards(m, tok, convs, out, **kw)
+
+
+def test_capture_resumes_to_byte_identical_shards(tok, tmp_path, monkeypatch):
+    m, convs = model(), chats()
+    capture(m, tok, convs, tmp_path / "full")
+
+    real, calls = C._capture_window, []
+
+    def dies_on_second_shard(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(C, "_capture_window", dies_on_second_shard)
+    with pytest.raises(KeyboardInterrupt):
+        capture(m, tok, convs, tmp_path / "cut")
+    assert [p.name for p in (tmp_path / "cut").iterdir()] and not C.read_manifest(tmp_path / "cut")["complete"]
+    assert len(list(C.load_shards(tmp_path / "cut", FP))) == 3  # a partial capture is usable
+    monkeypatch.setattr(C, "_capture_window", real)
+    recomputed = []
+    monkeypatch.setattr(C, "_capture_window", lambda *a, **k: recomputed.append(1) or real(*a, **k))
+    capture(m, tok, convs, tmp_path / "cut")
+    assert len(recomputed) == 2  # shard 0 was kept, 1 and 2 computed
+    assert files(tmp_path / "cut") == files(tmp_path / "full") and len(files(tmp_path / "full")) == 3
+    full, cut = (C.read_manifest(tmp_path / d) for d in ("full", "cut"))
+    assert full["shards"] == cut["shards"] and cut["complete"]
+    # A finished capture re-runs as a no-op; other settings or another verifier are refused.
+    recomputed.clear()
+    capture(m, tok, convs, tmp_path / "cut")
+    assert not recomputed
+    with pytest.raises(DraftsmithError, match="max_length=512, not 100"):
+        capture(m, tok, convs, tmp_path / "cut", max_length=100)
+    with pytest.raises(DraftsmithError, match=f"captured from verifier {FP}, not 0123"):
+        capture(m, tok, convs, tmp_path / "cut", fingerprint="0123")
+
+
+def test_foreign_shard_is_refused(tok, tmp_path):
+    m, other = model(), tiny_model("llama", seed=1, vocab=V, layers=4)
+    capture(m, tok, chats(), tmp_path / "a")
+    capture(other, tok, chats(), tmp_path / "b", fingerprint="0badc0de0badc0de")
+    with pytest.raises(DraftsmithError, match=f"was captured from verifier {FP}, not 0badc0de0badc0de"):
+        list(C.load_shards(tmp_path / "a", "0badc0de0badc0de"))
+    with pytest.raises(DraftsmithError, match="not 0badc0de0badc0de"):
+        C.ShardDataset(tmp_path / "a", "0badc0de0badc0de")
+    # a shard of the other verifier copied into the directory: refused by its own metadata, named
+    shard = tmp_path / "a" / "shard-00001.safetensors"
+    shard.write_bytes((tmp_path / "b" / "shard-00001.safetensors").read_bytes())
+    msg = rf"shard {shard} was captured from verifier 0badc0de0badc0de, not {FP}"
+    with pytest.raises(DraftsmithError, match=msg):
+        list(C.load_shards(tmp_path / "a", FP))
+    with pytest.raises(DraftsmithError, match=msg):
+        [C.ShardDataset(tmp_path / "a", FP)[i] for i in range(7)]
+    with pytest.raises(DraftsmithError, match="not " + FP):
+        C.read_shard(shard, FP)
+
+
+def test_corrupt_shard_is_refused_with_its_name(tok, tmp_path, monkeypatch):
+    m, convs = model(), chats()
+    capture(m, tok, convs, tmp_path / "full")
+    capture(m, tok, convs, tmp_path / "d")
+    shard = tmp_path / "d" / "shard-00001.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DraftsmithError, match=rf"shard {shard} is corrupt"):
+        list(C.load_shards(tmp_path / "d", FP))
+    with pytest.raises(DraftsmithError, match=rf"shard {shard} is corrupt"):
+        C.ShardDataset(tmp_path / "d", FP)[4]
+    with pytest.raises(DraftsmithError, match=rf"shard {shard} is corrupt"):
+        C.read_shard(shard)  # without the manifest: safetensors' own size checks
+    shard.write_bytes(b"\x00" * 4)
+    with pytest.raises(DraftsmithError, match=rf"shard {shard} is corrupt or not a draftsmith shard"):
+        C.read_shard(shard, FP)
+    flipped = bytearray(data)
+    flipped[-3] ^= 0xFF
+    shard.write_bytes(bytes(flipped))  # same size, one bit of data changed: only the checksum sees it
+    with pytest.raises(DraftsmithError, match="checksum does not match"):
+        list(C.load_shards(tmp_path / "d", FP))
+    (tmp_path / "d" / C.MANIFEST).write_text("{not json")
+    with pytest.raises(DraftsmithError, match="manifest.json is corrupt"):
+        list(C.load_shards(tmp_path / "d", FP))
+    # re-running the capture rebuilds the damaged shard from the manifest of the copy
+    (tmp_path / "d" / C.MANIFEST).write_bytes((tmp_path / "full" / C.MANIFEST).read_bytes())
+    capture(m, tok, convs, tmp_path / "d")
+    assert files(tmp_path / "d") == files(tmp_path / "full")
+
+
+def test_disk_full_leaves_no_partial_shard(tok, tmp_path, monkeypatch):
+    m, convs = model(), chats()
+    capture(m, tok, convs, tmp_path / "full")
+    real_fsync = os.fsync
+
+    def full_disk(fd):
+        if "shard-00001" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(DraftsmithError, match=r"shard-00001.safetensors: the disk is full; completed shards are kept"):
+        capture(m, tok, convs, tmp_path / "d")
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == [C.MANIFEST, "shard-00000.safetensors"]
+    assert len(list(C.load_shards(tmp_path / "d", FP))) == 3
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    capture(m, tok, convs, tmp_path / "d")
+    assert files(tmp_path / "d") == files(tmp_path / "full")
+
+
+# ----------------------------------------------------------------------------- regeneration
+def regen(m, tok, convs, path, **kw):
+    kw = {"max_new_tokens": 10, "batch_size": 3, "progress": False, **kw}
+    return C.regenerate(m, tok, convs, path, **kw)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_regenerate_resumes_to_an_identical_file(tok, tmp_path, monkeypatch, temperature):
+    m, convs = model(), prompts()
+    full = regen(m, tok, convs, tmp_path / "full.jsonl", temperature=temperature, seed=3)
+    real, calls = C._generate_batch, []
+
+    def dies_after_first_batch(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(C, "_generate_batch", dies_after_first_batch)
+    cut = tmp_path / "cut.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        regen(m, tok, convs, cut, temperature=temperature, seed=3)
+    lines = cut.read_bytes().splitlines(keepends=True)
+    assert len(lines) == 3
+    # the run also died inside a write: a torn line, and one line of the next batch already out
+    text = full.read_bytes().splitlines(keepends=True)
+    cut.write_bytes(b"".join(lines) + text[3] + text[4][:17])
+    monkeypatch.setattr(C, "_generate_batch", real)
+    regen(m, tok, convs, cut, temperature=temperature, seed=3)
+    assert cut.read_bytes() == full.read_bytes()
+    recs = [json.loads(x) for x in text]
+    assert sorted(r["id"] for r in recs) == sorted(c.id for c in convs)
+    other = regen(m, tok, convs, tmp_path / "seed4.jsonl", temperature=temperature, seed=4)
+    replies = [[json.loads(x)["messages"] for x in p.read_text().splitlines()] for p in (full, other)]
+    assert (replies[0] == replies[1]) == (temperature == 0.0)
+
+
+def test_regenerated_records(tok, tmp_path):
+    m, convs = model(), prompts(5)
+    convs[0].meta = {"category": "x"}
+    path = regen(m, tok, convs, tmp_path / "r.jsonl", max_new_tokens=6, fingerprint=FP)
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    by_id = {r["id"]: r for r in recs}
+    # batches are the longest prompts first; each batch is written in input order
+    lengths = {c.id: len(encode_chat(tok, c.prompt_messages())) for c in convs}
+    first = sorted(lengths, key=lambda i: (-lengths[i], int(i[1:])))[:3]
+    assert [r["id"] for r in recs[:3]] == sorted(first, key=lambda i: int(i[1:]))
+    for c in convs:
+        r = by_id[c.id]
+        assert r["messages"][:-1] == c.prompt_messages() and r["messages"][-1]["role"] == "assistant"
+        meta = r["meta"]
+        assert meta["finish_reason"] in ("stop", "length") and meta["prompt_tokens"] == lengths[c.id]
+        assert 1 <= meta["completion_tokens"] <= 6 and meta["generation"]["verifier"] == FP
+        assert meta["source"] == "test"
+    assert by_id["q0"]["meta"]["category"] == "x"
+    # the file is training data as it stands
+    back = C.load_regenerated(path)
+    assert [c.id for c in back] == [r["id"] for r in recs] and all(c.has_assistant for c in back)
+    assert len(list(C.capture_samples(m, tok, back))) == 5
+    # greedy replies do not depend on the batch a prompt shares (left padding is masked)
+    alone = regen(m, tok, convs, tmp_path / "one.jsonl", max_new_tokens=6, fingerprint=FP, batch_size=1)
+    assert {r["id"]: r for r in map(json.loads, alone.read_text().splitlines())} == by_id
+    with pytest.raises(DraftsmithError, match=r"other settings \(max_new_tokens differ"):
+        regen(m, tok, convs, path, max_new_tokens=7, fingerprint=FP)
+    with pytest.raises(DraftsmithError, match="not in this dataset"):
+        regen(m, tok, prompts(2), path, max_new_tokens=6, fingerprint=FP)
+
+
+def test_regenerate_bad_input(tok, tmp_path, caplog):
+    m, convs = model(), prompts(4)
+    with pytest.raises(DraftsmithError, match="id 'q1' occurs twice"):
+        regen(m, tok, convs + [convs[1]], tmp_path / "a.jsonl")
+    # the tiny verifier's context is 512 tokens: prompt + max_new_tokens must fit
+    with pytest.raises(DraftsmithError, match="all 4 prompts are longer than 12 tokens"):
+        regen(m, tok, convs, tmp_path / "b.jsonl", max_new_tokens=500)
+    with pytest.raises(DraftsmithError, match="leaves no room"):
+        regen(m, tok, convs, tmp_path / "b.jsonl", max_new_tokens=512)
+    long_ids = {c.id for c in convs if len(encode_chat(tok, c.prompt_messages())) > 40}
+    path = regen(m, tok, convs, tmp_path / "c.jsonl", max_prompt_tokens=40)
+    assert 0 < len(long_ids) < 4 and f"dropped {len(long_ids)} of 4 prompts" in caplog.text
+    assert {json.loads(x)["id"] for x in path.read_text().splitlines()} == {c.id for c in convs} - long_ids
+    with pytest.raises(DraftsmithError, match="line 1 is not a regenerated record"):
+        (tmp_path / "d.jsonl").write_text('{"hello": 1}\n')
+        regen(m, tok, convs, tmp_path / "d.jsonl")
+    with pytest.raises(DraftsmithError, match="--temperature must be >= 0"):
+        regen(m, tok, convs, tmp_path / "e.jsonl", temperature=-1)
+
+
+def test_regenerate_disk_full_keeps_finished_replies(tok, tmp_path, monkeypatch):
+    m, convs = model(), prompts()
+    full = regen(m, tok, convs, tmp_path / "full.jsonl")
+    real_fsync, calls = os.fsync, []
+
+    def full_disk(fd):
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(DraftsmithError, match="the disk is full; the 6 finished replies are kept"):
+        regen(m, tok, convs, tmp_path / "cut.jsonl")
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    regen(m, tok, convs, tmp_path / "cut.jsonl")
+    assert (tmp_path / "cut.jsonl").read_bytes() == full.read_bytes()
+
+
+def test_per_sample_sampler_draws_from_the_shared_transform():
+    from draftsmith.decoding.sampling import SamplingParams, logits_to_probs
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0, -8.0, 1.5]])
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    n = 40_000
+    sampler = C._PerSampleSampler(params, [torch.Generator().manual_seed(C.sample_seed(0, str(i))) for i in range(n)])
+    forced = sampler(None, logits.expand(n, -1).clone())
+    assert torch.isfinite(forced).sum(-1).eq(1).all()  # exactly one token allowed per row
+    freq = torch.bincount(forced.argmax(-1), minlength=8).double() / n
+    p = logits_to_probs(logits.double(), params)[0]
+    assert (freq[p == 0] == 0).all()  # top-p removed tokens are never drawn
+    assert 0.5 * (freq - p).abs().sum() < 0.01  # TV distance; ~0.004 expected at n = 40k
+    # a row's draw depends on its own generator only, not on its neighbours
+    again = C._PerSampleSampler(params, [torch.Generator().manual_seed(C.sample_seed(0, str(i))) for i in (5, 7)])
+    assert torch.equal(again(None, logits.expand(2, -1).clone()).argmax(-1), forced.argmax(-1)[[5, 7]])
+
+
+def test_sampled_replies_do_not_depend_on_the_batch(tok, tmp_path):
+    m, convs = model(), prompts(4)
+    a = regen(m, tok, convs, tmp_path / "a.jsonl", max_new_tokens=6, temperature=0.9, batch_size=4)
+    b = regen(m, tok, convs, tmp_path / "b.jsonl", max_new_tokens=6, temperature=0.9, batch_size=1)
+    by_id = [{r["id"]: r for r in map(json.loads, p.read_text().splitlines())} for p in (a, b)]
+    assert by_id[0] == by_id[1]
+
+
+@pytest.mark.slow
+def test_real_verifier_greedy_replies_are_what_the_captured_states_predict(smollm2, tmp_path):
+    """SmolLM2-135M: regenerate greedily, capture, and lm_head(last) predicts each reply token again."""
+    m, tok, fp = smollm2
+    convs = [Conversation([{"role": "user", "content": q}], id=str(i)) for i, q in
+             enumerate(["What is the capital of France?", "Name three primary colors."])]
+    path = C.regenerate(m, tok, convs, tmp_path / "r.jsonl", max_new_tokens=16, progress=False, fingerprint=fp)
+    out = C.capture_to_shards(m, tok, C.load_regenerated(path), tmp_path / "shards", fingerprint=fp,
+                              verifier_spec="smollm2-135m", max_length=256, dtype=torch.float32, progress=False)
+    samples = list(C.load_shards(out, fp))
+    assert len(samples) == 2 and C.read_manifest(out)["aux_layer_ids"] == [2, 15, 27]
+    hits = total = 0
+    for s in samples:
+        pos = s["loss_mask"].nonzero()[:, 0][:-1]  # reply tokens; the end-of-turn token may be the template's
+        with torch.no_grad():
+            pred = m.get_output_embeddings()(s["last"][pos - 1]).argmax(-1)  # the state at t-1 predicts token t
+        hits += int((pred == s["input_ids"][pos]).sum())
+        total += len(pos)
+    assert hits / total > 0.9  # re-tokenizing the decoded reply may split a token differently, rarely
