@@ -36,7 +36,7 @@ demo: setup
 	    --prompt "Explain in three sentences why the sky is blue."
 
 test: setup $(SPEC_STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	DRAFTSMITH_SPECULATORS_PYTHON=$(SPEC_VENV)/bin/python $(BIN)/python -m pytest -q -p no:cacheprovider
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not interop"
