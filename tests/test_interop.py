@@ -25,7 +25,7 @@ from draftsmith.export import load_draft, read_draft, save_draft
 pytestmark = pytest.mark.interop
 
 ROOT = Path(__file__).resolve().parents[1]
-SPEC_PYTHON = Path(os.environ.get("DRAFTSMITH_SPECULATORS_PYTHON", ROOT / ".venv-speculators" / "bin" / "python"))
+SPEC_PYTHON = ROOT / os.environ.get("DRAFTSMITH_SPECULATORS_PYTHON", ".venv-speculators/bin/python")  # relative: to ROOT
 STEPS = 3
 ATOL = 1e-4
 
