@@ -5,8 +5,13 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.draftsmith-installed
 PIP     := $(BIN)/python -m pip --disable-pip-version-check -q
+# The speculators package (the reference reader of our export format) lives in
+# its own venv so its pins never constrain ours; the interop tests run it.
+SPEC_VENV    ?= .venv-speculators
+SPEC_STAMP   := $(SPEC_VENV)/.installed
+SPECULATORS  := speculators==0.9.0
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup setup-speculators demo test test-fast clean
 
 $(STAMP): pyproject.toml requirements.lock requirements-data.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,15 +22,24 @@ $(STAMP): pyproject.toml requirements.lock requirements-data.txt
 
 setup: $(STAMP)
 
+$(SPEC_STAMP): requirements-speculators.txt
+	test -x $(SPEC_VENV)/bin/python || $(PY) -m venv $(SPEC_VENV)
+	$(SPEC_VENV)/bin/python -m pip --disable-pip-version-check -q install -r requirements-speculators.txt
+	$(SPEC_VENV)/bin/python -m pip --disable-pip-version-check -q install --no-deps $(SPECULATORS)
+	$(SPEC_VENV)/bin/python -c "import speculators.models.eagle3"
+	touch $@
+
+setup-speculators: $(SPEC_STAMP)
+
 demo: setup
 	$(BIN)/draftsmith generate --verifier smollm2-135m --chat --drafter ngram \
 	    --prompt "Explain in three sentences why the sky is blue."
 
-test: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+test: setup $(SPEC_STAMP)
+	DRAFTSMITH_SPECULATORS_PYTHON=$(SPEC_VENV)/bin/python $(BIN)/python -m pytest -q -p no:cacheprovider
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not interop"
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) $(SPEC_VENV) build src/*.egg-info

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from draftsmith.bench import BenchConfig, run_bench
 from draftsmith.config import add_arguments, from_args, opt
@@ -114,6 +114,59 @@ def run_train(cfg: Any) -> int:
     res = train(cfg)
     print(f"trained {res.steps} steps in {res.seconds:.0f}s; best validation acceptance length "
           f"{res.best_acceptance_length:.2f} (k={cfg.eval_steps}) -> {res.draft_dir}")
+
+
+# ----------------------------------------------------------------------------- export
+@dataclass
+class ExportConfig:
+    """Write an EAGLE-3 draft in the speculators format vLLM serves (config.json, model.safetensors,
+    draftsmith.json, README.md), after checking it against the verifier it names."""
+
+    draft: str = opt(help="draft directory: a draftsmith training output or any speculators-format EAGLE-3 draft",
+                     positional=True, metavar="DRAFT")
+    out: str = opt(help="output directory (replaced atomically; may equal DRAFT)")
+    num_draft_tokens: int | None = opt(None, "speculative tokens (k) vLLM uses by default; omitted: the draft's")
+    verifier_name: str | None = opt(None, "verifier name or path written to config.json for vLLM; omitted: the "
+                                          "verifier the draft names")
+    verifier: str | None = opt(None, "verifier to check the draft against (HF dir, .gguf, alias); omitted: the "
+                                     "named verifier when it is on this machine")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt("auto", "weight dtype; auto keeps the draft's")
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
+            raise DraftsmithError(f"--num-draft-tokens must be >= 1, got {self.num_draft_tokens}")
+
+
+def run_export(cfg: ExportConfig) -> int:
+    from pathlib import Path
+
+    from draftsmith.export import read_draft, read_provenance, save_draft, serve_commands
+    from draftsmith.models.verifier import load_verifier
+
+    previous = read_provenance(cfg.draft) or {}
+    verifier = fp = layers = None
+    if cfg.verifier is not None:
+        verifier, _, fp = load_verifier(cfg.verifier, dtype="float32", device="cpu")
+        layers = verifier.config.get_text_config().num_hidden_layers
+    draft = read_draft(cfg.draft, verifier_layers=layers)
+    old_verifier = previous.get("verifier") or {}
+    if fp is None:
+        fp = old_verifier.get("fingerprint")
+    elif old_verifier.get("fingerprint") not in (None, fp):
+        print(f"draftsmith: note: the draft was trained for verifier fingerprint {old_verifier['fingerprint']}, "
+              f"{cfg.verifier} has {fp}", file=sys.stderr)
+    extra = {k: v for k, v in previous.items() if k in ("training", "data")}
+    extra["source"] = {"path": str(Path(cfg.draft).resolve()), "created": previous.get("created"),
+                       "draftsmith": previous.get("draftsmith")} if previous else {"path": str(Path(cfg.draft).resolve())}
+    name = cfg.verifier_name or (cfg.verifier if draft.config.verifier_name is None else None)
+    out = save_draft(draft, cfg.out, verifier_name=name, num_draft_tokens=cfg.num_draft_tokens,
+                     fingerprint=fp, provenance=extra, metrics=previous.get("metrics"),
+                     dtype=None if cfg.dtype == "auto" else cfg.dtype, verifier=verifier)
+    written = json.loads((out / "config.json").read_text())
+    k = written["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    name = written["speculators_config"]["verifier"]["name_or_path"]
+    print(f"exported EAGLE-3 draft to {out}\nserve it with:\n")
+    print("\n\nor\n\n".join(serve_commands(out.resolve(), name, k)))
     return 0
 
 
@@ -134,6 +187,7 @@ COMMANDS: dict[str, Command] = {
     "refresh": Command(RefreshConfig, refresh_cli, "retrain a draft after the verifier changed"),
     "bench": Command(BenchConfig, run_bench, "measure drafters vs plain decoding: speedup, acceptance, "
                      "break-even; write report.json, report.md and plots"),
+    "export": Command(ExportConfig, run_export, "write a draft in the speculators format vLLM serves"),
 }
 
 

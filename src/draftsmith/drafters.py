@@ -40,7 +40,7 @@ def build_proposer(spec: str | None, verifier: torch.nn.Module, tokenizer: objec
     from pathlib import Path
 
     if Path(spec).is_dir():
-        from draftsmith.models.eagle3 import load_draft
+        from draftsmith.export import load_draft
 
         return load_draft(spec, verifier)
     raise DraftsmithError(f"unknown --drafter {spec!r}; expected {DRAFTER_HELP}")

@@ -56,7 +56,9 @@ class Eagle3Config:
         rms_norm_eps: RMSNorm epsilon.
         rope_parameters: HF rope parameters (``rope_type``, ``rope_theta``, ...), from the verifier.
         max_position_embeddings: longest position the rope tables cover.
-        attention_bias: bias on q/k/v projections.
+        attention_bias: bias on the q/k/v/o projections (HF Llama/Qwen3 put it on all four).
+        qk_norm: per-head RMSNorm on q and k before rope (a Qwen3 decoder layer; speculators
+            ``transformer_layer_config.model_type == "qwen3"``).
         norm_before_residual: residual is ``hidden_norm(g)`` (True) or raw ``g``.
         norm_before_fc: one RMSNorm over the A*Ht aux vector before ``fc``.
         fc_norm: one RMSNorm per aux chunk before ``fc`` (exclusive with norm_before_fc).
@@ -79,6 +81,7 @@ class Eagle3Config:
     rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     max_position_embeddings: int = 4096
     attention_bias: bool = False
+    qk_norm: bool = False
     norm_before_residual: bool = True
     norm_before_fc: bool = False
     fc_norm: bool = False
@@ -169,13 +172,20 @@ class Eagle3Attention(nn.Module):
         self.q_proj = nn.Linear(2 * H, nh * hd, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(2 * H, nkv * hd, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(2 * H, nkv * hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(nh * hd, H, bias=False)
+        self.o_proj = nn.Linear(nh * hd, H, bias=cfg.attention_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def qkv(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """z [B, L, 2H] -> q [B, nh, L, hd], k, v [B, nkv, L, hd] (rope applied to q, k)."""
         B, L, _ = z.shape
-        q = self.q_proj(z).view(B, L, self.nh, self.hd).transpose(1, 2)
-        k = self.k_proj(z).view(B, L, self.nkv, self.hd).transpose(1, 2)
+        q = self.q_proj(z).view(B, L, self.nh, self.hd)
+        k = self.k_proj(z).view(B, L, self.nkv, self.hd)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(z).view(B, L, self.nkv, self.hd).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, L, hd]
         q = q * cos + _rotate_half(q) * sin
