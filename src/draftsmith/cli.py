@@ -80,7 +80,6 @@ class DataConfig(DataSection):
 
     verifier: str = opt("smollm2-135m", "verifier: HF dir, .gguf file or alias")
     out: str = opt("runs/data", "output directory")
-    dtype: str = opt("auto", "verifier dtype")
     device: str = opt("auto", "device")
 
 
@@ -92,13 +91,14 @@ def run_data(cfg: Any) -> int:
     from draftsmith.pipeline.cache import StepCache
 
     out = Path(cfg.out)
-    v = steps.Verifier(cfg.verifier, cfg.dtype, cfg.device)
+    v = steps.Verifier(cfg.verifier, steps.data_dtype(cfg.dtype, cfg.device), cfg.device)
     cache = StepCache(out / "steps")
     data = to_dict(cfg)
     p = cache.run("prompts", {"data": data}, lambda w: steps.prompts(cfg, w))
     r = cache.run("regenerate", {"fp": v.fingerprint, "prompts": p["sha"], "data": data},
                   lambda w: steps.regenerate(v, Path(p["path"]), cfg, w))
-    c = cache.run("capture", {"fp": v.fingerprint, "regenerated": r["sha"], "max_length": cfg.max_length},
+    c = cache.run("capture", {"fp": v.fingerprint, "regenerated": r["sha"], "max_length": cfg.max_length,
+                              "dtype": v.dtype},
                   lambda w: steps.capture(v, Path(r["path"]), cfg, w))
     link = out / "shards"
     if link.is_symlink() or link.exists():

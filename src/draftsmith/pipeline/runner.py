@@ -54,6 +54,8 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     v = steps.Verifier(cfg.verifier, cfg.dtype, cfg.device)
+    # data is made in its own (often faster) dtype; training and bench use the verifier's own
+    vd = steps.Verifier(cfg.verifier, steps.data_dtype(cfg.data.dtype, cfg.device), cfg.device)
     cache = StepCache(out / "steps")
     fp = v.fingerprint
     k_export = cfg.num_draft_tokens or max(cfg.bench.num_draft_tokens)
@@ -72,9 +74,10 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
 
     p = cache.run("prompts", {"data": to_dict(cfg.data)}, lambda w: steps.prompts(cfg.data, w))
     r = cache.run("regenerate", {"fp": fp, "prompts": p["sha"], "data": to_dict(cfg.data)},
-                  lambda w: steps.regenerate(v, Path(p["path"]), cfg.data, w))
-    c = cache.run("capture", {"fp": fp, "regenerated": r["sha"], "max_length": cfg.data.max_length},
-                  lambda w: steps.capture(v, Path(r["path"]), cfg.data, w))
+                  lambda w: steps.regenerate(vd, Path(p["path"]), cfg.data, w))
+    c = cache.run("capture", {"fp": fp, "regenerated": r["sha"], "max_length": cfg.data.max_length,
+                              "dtype": vd.dtype},
+                  lambda w: steps.capture(vd, Path(r["path"]), cfg.data, w))
     train_inputs = {"fp": fp, "shards": c["sha"], "train": to_dict(cfg.train), "k": k_export}
     if cfg.train.init_from:
         train_inputs["init"] = steps.file_digest(Path(cfg.train.init_from) / "model.safetensors")

@@ -21,6 +21,18 @@ from draftsmith.pipeline.cache import file_digest
 from draftsmith.pipeline.config import BenchSection, DataSection, GateSection, TrainSection
 
 
+def data_dtype(dtype: str, device: str) -> str:
+    """Resolve ``data.dtype``: "auto" is bfloat16 where it is fast (CUDA, AMX CPUs), else float32."""
+    if dtype != "auto":
+        return dtype
+    from draftsmith.utils import resolve_device
+
+    dev = resolve_device(device)
+    if dev.type == "cuda" or getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        return "bfloat16"
+    return "float32"
+
+
 class Verifier:
     """The verifier, loaded once per process on first use."""
 
