@@ -1,0 +1,101 @@
+"""CLI: clear one-line errors and exit codes for bad input; help texts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftsmith.cli import EXIT_ERROR, main
+
+
+def _run(args, capsys):
+    rc = main(args)
+    err = capsys.readouterr().err
+    return rc, err
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["generate", "--verifier", "no-such-model", "--prompt", "hi"], "not found"),
+    (["generate", "--verifier", "/nonexistent/model.gguf", "--prompt", "hi"], "GGUF file not found"),
+    (["generate", "--verifier", "smollm2-135m", "--prompt", "hi", "--num-draft-tokens", "0"], "--num-draft-tokens"),
+    (["generate", "--verifier", "smollm2-135m", "--prompt", "hi", "--drafter", "what"], "unknown --drafter"),
+    (["pipeline", "run", "/nonexistent.yaml"], "not found"),
+])
+def test_bad_input_is_one_line(args, needle, capsys):
+    rc, err = _run(args, capsys)
+    assert rc == EXIT_ERROR
+    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_corrupt_gguf(tmp_path, capsys):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    rc, err = _run(["generate", "--verifier", str(bad), "--prompt", "hi"], capsys)
+    assert rc == EXIT_ERROR and "cannot read GGUF file" in err and "Traceback" not in err
+
+
+def test_pipeline_config_errors_name_the_key(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("verifier: smollm2-135m\ntrain:\n  epochz: 3\n")
+    rc, err = _run(["pipeline", "run", str(cfg), "--out", str(tmp_path / "o")], capsys)
+    assert rc == EXIT_ERROR and "train.epochz" in err
+    cfg.write_text("train:\n  epochs: lots\n")
+    rc, err = _run(["pipeline", "run", str(cfg), "--out", str(tmp_path / "o")], capsys)
+    assert rc == EXIT_ERROR and "--epochs" in err or "epochs" in err
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if not (Path(ro) / "x").parent.stat().st_mode & 0o200 or sys.platform.startswith("linux"):
+            rc, err = _run(["pipeline", "run", "--out", str(ro / "out")], capsys)
+            import os
+
+            if os.geteuid() != 0:  # root ignores permissions
+                assert rc == EXIT_ERROR and "not writable" in err
+    finally:
+        ro.chmod(0o700)
+
+
+@pytest.mark.slow
+def test_prompt_longer_than_context(tmp_path):
+    long_prompt = "word " * 9000
+    proc = subprocess.run([sys.executable, "-m", "draftsmith.cli", "generate", "--verifier", "smollm2-135m",
+                           "--prompt", long_prompt], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == EXIT_ERROR
+    assert "context" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_draft_with_other_tokenizer_is_refused(tmp_path, capsys):
+    """Same vocabulary size, different token ids: refused by the tokenizer check."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from draftsmith.models.verifier import resolve_spec
+
+    src = resolve_spec("smollm2-135m")
+    d = tmp_path / "other-draft"
+    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(d)
+    tj = json.loads((src / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    a, b = "hello", "world"
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens trade ids
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    for f in ("tokenizer_config.json", "chat_template.jinja"):
+        if (src / f).exists():
+            (d / f).write_text((src / f).read_text())
+    rc, err = _run(["generate", "--verifier", "smollm2-135m", "--prompt", "hi", "--drafter", f"model:{d}"], capsys)
+    assert rc == EXIT_ERROR and "different tokenizer" in err and "Traceback" not in err
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for cmd in ("generate", "data", "train", "pipeline", "refresh", "bench", "export"):
+        assert cmd in out
