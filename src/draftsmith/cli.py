@@ -15,6 +15,8 @@ from draftsmith.config import add_arguments, from_args, opt
 from draftsmith.drafters import DRAFTER_HELP
 from draftsmith.errors import DraftsmithError, GateFailed
 from draftsmith.pipeline.config import DataSection
+from draftsmith.pipeline.kfp import (KfpCompileConfig, KfpTrainJobConfig, compile_cli, trainjob_cli,
+                                    trainjob_defaults)
 from draftsmith.pipeline.runner import PipelineRunConfig, RefreshConfig, refresh_cli, run_pipeline_cli
 from draftsmith.train.loop import TrainConfig
 
@@ -176,6 +178,8 @@ class Command:
     config: type
     run: Callable[[Any], int]
     help: str
+    # flag defaults read from files the command line names (e.g. --config); explicit flags still win
+    defaults: Callable[[argparse.Namespace], dict[str, Any]] | None = None
 
 
 COMMANDS: dict[str, Command] = {
@@ -188,6 +192,9 @@ COMMANDS: dict[str, Command] = {
     "bench": Command(BenchConfig, run_bench, "measure drafters vs plain decoding: speedup, acceptance, "
                      "break-even; write report.json, report.md and plots"),
     "export": Command(ExportConfig, run_export, "write a draft in the speculators format vLLM serves"),
+    "kfp compile": Command(KfpCompileConfig, compile_cli, "compile the pipeline for Kubeflow Pipelines v2 (YAML)"),
+    "kfp trainjob": Command(KfpTrainJobConfig, trainjob_cli, "write a Kubeflow Trainer TrainJob for multi-node "
+                            "training (torchrun)", defaults=trainjob_defaults),
 }
 
 
@@ -230,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries(ns.verbose)
     cmd: Command = ns._command
     try:
-        cfg = from_args(cmd.config, ns)
+        cfg = from_args(cmd.config, ns, cmd.defaults(ns) if cmd.defaults else None)
         return cmd.run(cfg) or 0
     except GateFailed as e:
         print(f"draftsmith: gate failed: {e}", file=sys.stderr)

@@ -175,6 +175,44 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         parser.add_argument(flag_name(f.name), dest=f.name, **kw)
 
 
+def to_argv(cfg: Any) -> list[str]:
+    """The flags that rebuild ``cfg`` through :func:`add_arguments` (the inverse of parsing).
+
+    Required fields and fields that differ from their defaults are written; nested
+    sections are not (they come from config files).
+
+    Raises:
+        DraftsmithError: a value no flag can express (None or an empty list over a default).
+    """
+    hints = _field_types(type(cfg))
+    argv: list[str] = []
+    for f in dataclasses.fields(cfg):
+        tp, _ = _unwrap(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            continue
+        value = getattr(cfg, f.name)
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = dataclasses.MISSING
+        if default is not dataclasses.MISSING and value == default:
+            continue
+        flag = flag_name(f.name)
+        if value is None or (get_origin(tp) in (list, tuple) and not value):
+            raise DraftsmithError(f"{flag}: {value!r} cannot be written as a command-line flag")
+        if f.metadata.get("positional"):
+            argv.append(str(value))
+        elif tp is bool:
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif get_origin(tp) in (list, tuple):
+            argv += [flag, *(str(v) for v in value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
 def from_args(cls: type, ns: argparse.Namespace, base: dict[str, Any] | None = None) -> Any:
     """Config from parsed args layered over ``base`` (e.g. a YAML file)."""
     data = dict(base or {})

@@ -58,7 +58,7 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
     vd = steps.Verifier(cfg.verifier, steps.data_dtype(cfg.data.dtype, cfg.device), cfg.device)
     cache = StepCache(out / "steps")
     fp = v.fingerprint
-    k_export = cfg.num_draft_tokens or max(cfg.bench.num_draft_tokens)
+    k_export = steps.export_k(cfg)
     report: dict[str, Any] = {"mode": mode, "verifier": cfg.verifier, "verifier_fingerprint": fp,
                               "config": to_dict(cfg), "command": command_line(),
                               "environment": environment_info()}
@@ -91,12 +91,8 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
     b = cache.run("bench", bench_inputs, lambda w: steps.bench(v, drafts, cfg.bench, w))
     verdict = steps.gate(b["summary"], b.get("previous"), cfg.gate)
 
-    metrics = {**(b["summary"] or {}), "val_acceptance_length": t["best_val_acceptance_length"],
-               "bench_dataset": cfg.bench.dataset, "bench_prompts": cfg.bench.num_prompts}
-    provenance = {"training": {"data": to_dict(cfg.data), "train": to_dict(cfg.train),
-                               "tokens": c.get("tokens"), "steps": t["steps"],
-                               "train_seconds": t.get("train_seconds")},
-                  "gate": verdict, "pipeline_report": str(out / "report.json"), "mode": mode}
+    metrics, provenance = steps.export_metadata(cfg, t, c.get("tokens"), b["summary"], verdict, mode=mode,
+                                                report=str(out / "report.json"))
     e = cache.run("export", {"draft": t["sha"], "bench": digest(b), "gate": verdict, "k": k_export,
                              "name": cfg.verifier_name},
                   lambda w: steps.export(Path(t["draft_dir"]), w / "draft", verifier_name=cfg.verifier_name,

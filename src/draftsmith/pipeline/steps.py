@@ -18,7 +18,7 @@ import torch
 from draftsmith.config import to_dict
 from draftsmith.errors import DraftsmithError
 from draftsmith.pipeline.cache import file_digest
-from draftsmith.pipeline.config import BenchSection, DataSection, GateSection, TrainSection
+from draftsmith.pipeline.config import BenchSection, DataSection, GateSection, PipelineConfig, TrainSection
 
 
 def data_dtype(dtype: str, device: str) -> str:
@@ -176,6 +176,33 @@ def gate(candidate: dict[str, Any] | None, previous: dict[str, Any] | None, sect
     if passed:
         reasons.append(f"measured speedup {s:.2f}x >= {section.min_speedup:.2f}x with identical greedy outputs")
     return {"passed": passed, "speedup": s, "acceptance_length": al, "k": candidate["k"], "reasons": reasons}
+
+
+def export_k(cfg: PipelineConfig) -> int:
+    """The draft length k written into the exported draft: ``num_draft_tokens``, else the largest k measured."""
+    return cfg.num_draft_tokens or max(cfg.bench.num_draft_tokens)
+
+
+def export_metadata(cfg: PipelineConfig, trained: dict[str, Any], tokens: int | None,
+                    bench_summary: dict[str, Any] | None, verdict: dict[str, Any], *, mode: str,
+                    report: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The measurements (for the model card) and the provenance written with the exported draft.
+
+    Args:
+        cfg: the pipeline configuration.
+        trained: :func:`train`'s result (``steps``, ``best_val_acceptance_length``, ``train_seconds``).
+        tokens: captured training tokens.
+        bench_summary: :func:`summarize_drafter` of the candidate.
+        verdict: :func:`gate`'s verdict.
+        mode: what ran the pipeline ("pipeline", "refresh", "kubeflow").
+        report: where the pipeline's report is.
+    """
+    metrics = {**(bench_summary or {}), "val_acceptance_length": trained["best_val_acceptance_length"],
+               "bench_dataset": cfg.bench.dataset, "bench_prompts": cfg.bench.num_prompts}
+    provenance = {"training": {"data": to_dict(cfg.data), "train": to_dict(cfg.train), "tokens": tokens,
+                               "steps": trained["steps"], "train_seconds": trained.get("train_seconds")},
+                  "gate": verdict, "pipeline_report": report, "mode": mode}
+    return metrics, provenance
 
 
 def export(draft_dir: Path, out_dir: Path, *, verifier_name: str | None, num_draft_tokens: int | None,

@@ -1,0 +1,325 @@
+"""Kubeflow: the compiled KFP v2 pipeline (components, artifacts, gate condition), a real local run
+with kfp.local's SubprocessRunner on a tiny verifier (gate passing, then failing), and the
+Trainer v2 TrainJob manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import tiny_model
+from draftsmith.cli import EXIT_ERROR, build_parser, main
+from draftsmith.config import from_args, opt, to_argv
+from draftsmith.errors import DraftsmithError
+from draftsmith.pipeline import kfp as K
+from draftsmith.pipeline.config import build_config
+from draftsmith.train.loop import TrainConfig
+
+# ----------------------------------------------------------------------------- a tiny chat verifier on disk
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]  # ids 0, 1, 2: conftest's bos 0, eos = pad = 1
+
+
+def save_tiny_chat_verifier(path: Path, layers: int = 8) -> Path:
+    """A byte-level tokenizer with a ChatML template and a random tiny Llama, saved as an HF directory.
+
+    8 layers: the default aux layers [2, n//2, n-3] must be distinct.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per byte
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                            pad_token="<|endoftext|>", chat_template=CHATML).save_pretrained(path)
+    tiny_model("llama", vocab=len(vocab), layers=layers).save_pretrained(path)
+    return path
+
+
+PROMPTS = ["Why is the sky blue?", "Name three prime numbers.", "What is a verb?", "Say hello in French.",
+           "Count to five.", "What colour is grass?", "Is ice cold?", "Name a fruit.", "What is 2 + 2?",
+           "Spell cat.", "Who wrote Hamlet?", "What do bees make?"]
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    """(verifier dir, pipeline YAML) for a pipeline run that takes seconds per step."""
+    root = tmp_path_factory.mktemp("kfp")
+    verifier = save_tiny_chat_verifier(root / "verifier")
+    data = root / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
+    config = root / "pipeline.yaml"
+    config.write_text(yaml.safe_dump({
+        "verifier": str(verifier), "preset": "tiny", "out": str(root / "unused"), "device": "cpu",
+        "data": {"dataset": str(data), "num_conversations": 4, "max_new_tokens": 16, "batch_size": 4,
+                 "max_length": 128, "dtype": "float32"},
+        "train": {"epochs": 1, "draft_vocab_size": 128, "pack_tokens": 128, "eval_every": 5},
+        "bench": {"num_prompts": 1, "max_new_tokens": 8, "num_draft_tokens": [3], "hf_reference": False},
+        "gate": {"min_speedup": 0.0},
+    }))
+    return verifier, config
+
+
+# ----------------------------------------------------------------------------- the compiled pipeline
+ARTIFACTS = {  # component: ({input artifact: type}, {output artifact: type})
+    "prompts": ({}, {"prompts": "system.Dataset"}),
+    "regenerate": ({"prompts": "system.Dataset"}, {"regenerated": "system.Dataset"}),
+    "capture": ({"regenerated": "system.Dataset"}, {"shards": "system.Dataset"}),
+    "train": ({"shards": "system.Dataset"}, {"draft": "system.Model", "metrics": "system.Metrics"}),
+    "bench": ({"draft": "system.Model"},
+              {"report": "system.Artifact", "report_md": "system.Markdown", "metrics": "system.Metrics"}),
+    "gate": ({"report": "system.Artifact"}, {"metrics": "system.Metrics"}),
+    "export": ({"draft": "system.Model", "report": "system.Artifact"}, {"deployable": "system.Model"}),
+}
+
+
+def _artifacts(defs: dict) -> dict[str, str]:
+    return {k: v["artifactType"]["schemaTitle"] for k, v in defs.get("artifacts", {}).items()}
+
+
+def test_compiled_pipeline_components_artifacts_and_gate_condition(tmp_path):
+    pytest.importorskip("kfp")
+    cfg = build_config(None, {"preset": "tiny", "verifier": "smollm2-135m"})
+    spec = yaml.safe_load(K.compile_pipeline(cfg, tmp_path / "pipeline.yaml").read_text())
+    assert spec["pipelineInfo"]["name"] == "draftsmith"
+    assert spec["root"]["inputDefinitions"]["parameters"]["config_json"]["defaultValue"] == K.config_json(cfg)
+
+    comps, execs = spec["components"], spec["deploymentSpec"]["executors"]
+    for step in K.STEPS:
+        assert comps[f"comp-{step}"]["executorLabel"] == f"exec-{step}"
+        container = execs[f"exec-{step}"]["container"]
+        assert container["image"] == K.DEFAULT_BASE_IMAGE
+        source = "\n".join(container["command"])
+        assert "pip install" in source and "'draftsmith'" in source  # the default image installs draftsmith
+        assert container["args"][container["args"].index("--function_to_execute") + 1] == step
+        assert f"steps.{step}(" in source  # the component calls the library's step, nothing else
+        ins, outs = ARTIFACTS[step]
+        assert _artifacts(comps[f"comp-{step}"].get("inputDefinitions", {})) == ins, step
+        assert _artifacts(comps[f"comp-{step}"]["outputDefinitions"]) == outs, step
+    gate_params = comps["comp-gate"]["outputDefinitions"]["parameters"]
+    assert {k: v["parameterType"] for k, v in gate_params.items()} == {
+        "Output": "BOOLEAN", "reasons": "STRING", "verdict": "STRING"}
+
+    # data flows step to step as artifacts
+    tasks = spec["root"]["dag"]["tasks"]
+    chain = [("regenerate", "prompts", "prompts", "prompts"), ("capture", "regenerated", "regenerate", "regenerated"),
+             ("train", "shards", "capture", "shards"), ("bench", "draft", "train", "draft"),
+             ("gate", "report", "bench", "report")]
+    for task, arg, producer, key in chain:
+        src = tasks[task]["inputs"]["artifacts"][arg]["taskOutputArtifact"]
+        assert (src["producerTask"], src["outputArtifactKey"]) == (producer, key), task
+    for step in K.STEPS[:-1]:  # each step gets its slice of the configuration from `configure`
+        src = tasks[step]["inputs"]["parameters"]["config_json"]["taskOutputParameter"]
+        assert (src["producerTask"], src["outputParameterKey"]) == ("configure", step)
+
+    # export is not a root task: it sits in a sub-DAG triggered by the gate's verdict
+    assert "export" not in tasks
+    (cond_name, cond), = [(n, t) for n, t in tasks.items() if "triggerPolicy" in t]
+    assert cond["triggerPolicy"]["condition"] == "inputs.parameter_values['pipelinechannel--gate-Output'] == true"
+    verdict_src = cond["inputs"]["parameters"]["pipelinechannel--gate-Output"]["taskOutputParameter"]
+    assert (verdict_src["producerTask"], verdict_src["outputParameterKey"]) == ("gate", "Output")
+    assert "gate" in cond["dependentTasks"]
+    sub = comps[cond["componentRef"]["name"]]["dag"]["tasks"]
+    assert list(sub) == ["export"] and sub["export"]["componentRef"]["name"] == "comp-export"
+    draft_src = cond["inputs"]["artifacts"]["pipelinechannel--train-draft"]["taskOutputArtifact"]
+    assert (draft_src["producerTask"], draft_src["outputArtifactKey"]) == ("train", "draft")
+
+
+def test_compile_with_own_image_and_gpus(tmp_path):
+    pytest.importorskip("kfp")
+    rc = main(["kfp", "compile", "--preset", "tiny", "--image", "registry.example/draftsmith:0.1", "--gpus", "1",
+               "--out", str(tmp_path / "p.yaml")])
+    assert rc == 0
+    spec = yaml.safe_load((tmp_path / "p.yaml").read_text())
+    for step in K.STEPS:
+        container = spec["deploymentSpec"]["executors"][f"exec-{step}"]["container"]
+        assert container["image"] == "registry.example/draftsmith:0.1"
+        assert "pip install" not in "\n".join(container["command"])  # the image has draftsmith and kfp
+        gpu = container.get("resources", {}).get("accelerator", {})
+        if step in ("regenerate", "capture", "train", "bench"):
+            assert gpu.get("resourceType") == "nvidia.com/gpu" and str(gpu.get("resourceCount")) == "1", step
+        else:
+            assert not gpu, step
+
+
+def test_step_configs_give_each_step_what_it_depends_on():
+    cfg = build_config(None, {"preset": "tiny"})
+    slices = dict(zip(K.STEPS, K.step_configs(K.config_json(cfg))))
+    assert set(json.loads(slices["gate"])) == {"gate"}
+    assert set(json.loads(slices["prompts"])) == {"data"}
+    assert json.loads(slices["train"])["num_draft_tokens"] == 3  # k resolved: the tiny preset measures [3]
+    assert K.config_from_json(slices["export"]) == dataclasses.replace(cfg, num_draft_tokens=3)
+    stricter = K.step_configs(K.config_json(build_config(None, {"preset": "tiny", "gate": {"min_speedup": 2.0}})))
+    changed = [s for s, a, b in zip(K.STEPS, K.step_configs(K.config_json(cfg)), stricter) if a != b]
+    assert changed == ["gate", "export"]  # a new threshold re-runs the gate, not the training
+    with pytest.raises(DraftsmithError, match="train.epochs"):
+        K.config_from_json(json.dumps({"train": {"epochs": "many"}}))
+    with pytest.raises(DraftsmithError, match="unknown config key"):
+        K.config_from_json(json.dumps({"trian": {}}))
+
+
+# ----------------------------------------------------------------------------- a real local run
+def _run_dir(root: Path) -> Path:
+    (run,) = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("draftsmith-")]
+    return run
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # kfp.local: "custom or non-Python base image"
+def test_local_subprocess_run_gate_pass_then_fail(tiny_setup, tmp_path):
+    kfp = pytest.importorskip("kfp")
+    from kfp import local
+
+    from draftsmith.export import read_draft, read_provenance
+
+    verifier, config = tiny_setup
+    cfg = build_config(str(config))
+    cache = tmp_path / "cache"
+    # use_venv=False: the steps run in this interpreter's environment, where draftsmith is installed;
+    # an --image means nothing is pip-installed.
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "pass"),
+               workspace_root=str(tmp_path / "workspace"), enable_caching=True, cache_root=str(cache))
+    K.build_pipeline(cfg, image="draftsmith:local")()
+    run = _run_dir(tmp_path / "pass")
+    deployable = run / "export" / "deployable"
+    draft = read_draft(deployable)
+    assert draft.config.num_draft_tokens == 3
+    prov = read_provenance(deployable)
+    assert prov["mode"] == "kubeflow" and prov["gate"]["passed"] is True
+    assert prov["training"]["tokens"] > 0 and prov["metrics"]["acceptance_length"] >= 1.0
+    assert json.loads((deployable / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
+    assert (run / "gate" / "reasons").read_text().startswith("measured speedup")
+    report = json.loads((run / "bench" / "report" / "summary.json").read_text())
+    assert report["summary"]["identical_output_rate"] == 1.0
+    assert (run / "bench" / "report_md").read_text().startswith("#")
+    assert json.loads((run / "train" / "metrics").read_text())["steps"] >= 1
+    assert json.loads((run / "gate" / "metrics").read_text())["passed"] == 1.0
+
+    # the same library steps as `draftsmith pipeline run`: the same configuration trains the same draft
+    from draftsmith.pipeline import runner
+
+    local_report = runner.run(dataclasses.replace(cfg, out=str(tmp_path / "cli")))
+    assert local_report["gate"]["passed"]
+    ours = read_draft(tmp_path / "cli" / "draft").state_dict()
+    assert all(torch.equal(t, ours[k]) for k, t in draft.state_dict().items())
+
+    # same data and training, an unreachable threshold: the gate fails and export is skipped
+    strict = build_config(str(config), {"gate": {"min_speedup": 100.0}})
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "fail"),
+               workspace_root=str(tmp_path / "workspace"), enable_caching=True, cache_root=str(cache))
+    K.build_pipeline(strict, image="draftsmith:local")()
+    run = _run_dir(tmp_path / "fail")
+    verdict = json.loads((run / "gate" / "verdict").read_text())
+    assert verdict["passed"] is False and "below the gate's 100.00x" in verdict["reasons"][0]
+    assert not (run / "export").exists()
+    assert not (run / "train").exists()  # served from the cache: the gate's slice alone changed
+    del kfp
+
+
+# ----------------------------------------------------------------------------- the TrainJob
+def _train_argv(command: list[str]) -> list[str]:
+    assert command[:4] == ["torchrun", "--module", "draftsmith.cli", "train"]
+    return command[4:]
+
+
+def test_trainjob_manifest_runs_draftsmith_train_under_torchrun():
+    train = TrainConfig(verifier="/data/verifier", data="/data/run/shards", out="/data/draft", epochs=2.5,
+                        lr=3e-4, precision="bf16", draft_vocab_size=16384)
+    m = K.trainjob_manifest(train, num_nodes=4, nproc_per_node=8, gpus_per_node=8, image="reg/draftsmith:1",
+                            pvc="draftsmith-data", namespace="ml")
+    assert m["apiVersion"] == "trainer.kubeflow.org/v1alpha1" and m["kind"] == "TrainJob"
+    assert m["metadata"] == {"name": "draftsmith-train", "namespace": "ml",
+                             "labels": {"app.kubernetes.io/name": "draftsmith", "app.kubernetes.io/component": "train"}}
+    assert m["spec"]["runtimeRef"] == {"apiGroup": "trainer.kubeflow.org", "kind": "ClusterTrainingRuntime",
+                                       "name": "torch-distributed"}
+    trainer = m["spec"]["trainer"]
+    assert trainer["image"] == "reg/draftsmith:1"
+    assert trainer["numNodes"] == 4 and trainer["numProcPerNode"] == 8
+    assert trainer["resourcesPerNode"] == {"limits": {"nvidia.com/gpu": 8}}
+    # the flags after `train` parse back, with the `draftsmith train` parser, into the same config
+    ns = build_parser().parse_args(["train", *_train_argv(trainer["command"])])
+    assert from_args(TrainConfig, ns) == train
+    # the claim is mounted into the trainer container ("node") of every node
+    (patch,) = m["spec"]["runtimePatches"]
+    (job,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    pod = job["template"]["spec"]["template"]["spec"]
+    assert job["name"] == "node" and pod["volumes"] == [
+        {"name": "draftsmith-data", "persistentVolumeClaim": {"claimName": "draftsmith-data"}}]
+    assert pod["containers"] == [{"name": "node", "volumeMounts": [{"name": "draftsmith-data", "mountPath": "/data"}]}]
+    # YAML round trip
+    assert yaml.safe_load(yaml.safe_dump(m)) == m
+
+
+def test_trainjob_without_image_installs_draftsmith_in_the_runtime_image():
+    m = K.trainjob_manifest(TrainConfig(verifier="smollm2-135m", data="/d/shards"), package="draftsmith==0.1.0")
+    trainer = m["spec"]["trainer"]
+    assert "image" not in trainer and "numProcPerNode" not in trainer and "runtimePatches" not in m["spec"]
+    assert trainer["command"][:2] == ["bash", "-c"]
+    script = trainer["command"][2]
+    assert script.startswith("pip install --quiet draftsmith==0.1.0 && exec torchrun --module draftsmith.cli train ")
+    import shlex
+
+    argv = shlex.split(script.split("exec ", 1)[1])
+    assert argv[4:] == ["--verifier", "smollm2-135m", "--data", "/d/shards"]
+
+
+def test_trainjob_cli_layers_flags_over_config_file(tmp_path):
+    config = tmp_path / "p.yaml"
+    config.write_text(yaml.safe_dump({"preset": "full", "train": {"lr": 5e-4}}))
+    out = tmp_path / "tj.yaml"
+    rc = main(["kfp", "trainjob", "--verifier", "/data/v", "--data", "/data/shards", "--config", str(config),
+               "--epochs", "2", "--num-nodes", "2", "--nproc-per-node", "4", "--image", "img", "--pvc", "claim",
+               "--name", "eagle-train", "--out", str(out)])
+    assert rc == 0
+    m = yaml.safe_load(out.read_text())
+    assert m["metadata"]["name"] == "eagle-train" and m["spec"]["trainer"]["numNodes"] == 2
+    cfg = from_args(TrainConfig, build_parser().parse_args(["train", *_train_argv(m["spec"]["trainer"]["command"])]))
+    full = build_config(str(config)).train
+    assert cfg.epochs == 2  # the flag wins over the file
+    assert cfg.lr == 5e-4 and cfg.pack_tokens == full.pack_tokens == 2048  # the file (and its preset) under it
+    assert (cfg.verifier, cfg.data, cfg.out) == ("/data/v", "/data/shards", "/data/draft")
+    assert main(["kfp", "trainjob", "--verifier", "v", "--data", "d", "--name", "Bad_Name",
+                 "--out", str(tmp_path / "x.yaml")]) == EXIT_ERROR
+    assert main(["kfp", "trainjob", "--verifier", "v", "--data", "d", "--num-nodes", "0",
+                 "--out", str(tmp_path / "x.yaml")]) == EXIT_ERROR
+
+
+def test_to_argv_round_trips_through_the_parser():
+    from draftsmith.bench import BenchConfig
+
+    cfg = BenchConfig(verifier="v", out=Path("/tmp/b"), drafter=["ngram", "ngram:2"], num_draft_tokens=[2, 4],
+                      hf_reference=False, threads=1)
+    argv = to_argv(cfg)
+    assert "--no-hf-reference" in argv and argv[argv.index("--num-draft-tokens") + 1:][:2] == ["2", "4"]
+    assert from_args(BenchConfig, build_parser().parse_args(["bench", *argv])) == cfg
+    assert to_argv(TrainConfig(verifier="v")) == ["--verifier", "v"]
+
+    @dataclasses.dataclass
+    class Odd:
+        name: str | None = opt("x", "a default that None would not restore")
+
+    with pytest.raises(DraftsmithError, match="--name"):
+        to_argv(Odd(name=None))
+
+
+def test_draftsmith_works_without_the_kfp_sdk(monkeypatch, tmp_path):
+    import subprocess
+    import sys
+
+    code = "import sys; import draftsmith.cli; print('kfp' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
+    monkeypatch.setitem(sys.modules, "kfp", None)  # `import kfp` now raises ImportError
+    with pytest.raises(DraftsmithError, match=r"pip install 'draftsmith\[kfp\]'"):
+        K.build_pipeline(build_config(None, {"preset": "tiny"}))
+    assert main(["kfp", "compile", "--out", str(tmp_path / "p.yaml")]) == EXIT_ERROR
+    assert main(["kfp", "trainjob", "--verifier", "v", "--data", "d", "--out", str(tmp_path / "t.yaml")]) == 0
