@@ -31,9 +31,9 @@ $(SPEC_STAMP): requirements-speculators.txt
 
 setup-speculators: $(SPEC_STAMP)
 
+# The embedded default: SmolLM2-135M, `small` preset; cached, so a second run is quick.
 demo: setup
-	$(BIN)/draftsmith generate --verifier smollm2-135m --chat --drafter ngram \
-	    --prompt "Explain in three sentences why the sky is blue."
+	$(BIN)/draftsmith pipeline run --out runs/demo
 
 test: setup $(SPEC_STAMP)
 	DRAFTSMITH_SPECULATORS_PYTHON=$(SPEC_VENV)/bin/python $(BIN)/python -m pytest -q -p no:cacheprovider

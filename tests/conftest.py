@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,3 +98,27 @@ def verifier_samples(verifier: torch.nn.Module, n: int, seed: int = 0, prompt_le
                     "aux": torch.cat([o.hidden_states[i][0] for i in aux_layer_ids], -1),
                     "last": seen["x"][0]})
     return out
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]  # ids 0, 1, 2: conftest's bos 0, eos = pad = 1
+
+
+def save_tiny_chat_verifier(path: Path, layers: int = 8) -> Path:
+    """A byte-level tokenizer with a ChatML template and a random tiny Llama, saved as an HF directory.
+
+    8 layers: the default aux layers [2, n//2, n-3] must be distinct.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per byte
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                            pad_token="<|endoftext|>", chat_template=CHATML).save_pretrained(path)
+    tiny_model("llama", vocab=len(vocab), layers=layers).save_pretrained(path)
+    return path

@@ -13,7 +13,6 @@ import pytest
 import torch
 import yaml
 
-from conftest import tiny_model
 from draftsmith.cli import EXIT_ERROR, build_parser, main
 from draftsmith.config import from_args, opt, to_argv
 from draftsmith.errors import DraftsmithError
@@ -21,29 +20,7 @@ from draftsmith.pipeline import kfp as K
 from draftsmith.pipeline.config import build_config
 from draftsmith.train.loop import TrainConfig
 
-# ----------------------------------------------------------------------------- a tiny chat verifier on disk
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-SPECIALS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]  # ids 0, 1, 2: conftest's bos 0, eos = pad = 1
-
-
-def save_tiny_chat_verifier(path: Path, layers: int = 8) -> Path:
-    """A byte-level tokenizer with a ChatML template and a random tiny Llama, saved as an HF directory.
-
-    8 layers: the default aux layers [2, n//2, n-3] must be distinct.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {t: i for i, t in enumerate(SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per byte
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
-                            pad_token="<|endoftext|>", chat_template=CHATML).save_pretrained(path)
-    tiny_model("llama", vocab=len(vocab), layers=layers).save_pretrained(path)
-    return path
+from conftest import save_tiny_chat_verifier  # noqa: E402
 
 
 PROMPTS = ["Why is the sky blue?", "Name three prime numbers.", "What is a verb?", "Say hello in French.",

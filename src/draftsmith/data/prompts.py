@@ -867,9 +867,9 @@ def encode_prompts(tokenizer: Any, conversations: Iterable[Conversation], max_le
     return out
 
 
-def eval_prompts(name: str | Path, tokenizer: Any, limit: int | None = None,
-                 max_length: int | None = None) -> list[list[int]]:
-    """Chat-templated first-turn prompts of an evaluation set, ready for the engine.
+def eval_set(name: str | Path, tokenizer: Any, limit: int | None = None,
+             max_length: int | None = None) -> list[tuple[str, list[int]]]:
+    """Chat-templated first-turn prompts of an evaluation set as ``(id, token ids)``.
 
     ``mt-bench``: the 80 first turns. ``humaneval``: each code prompt as a user
     message asking to complete the function (:data:`HUMANEVAL_INSTRUCTION`). Any
@@ -880,4 +880,10 @@ def eval_prompts(name: str | Path, tokenizer: Any, limit: int | None = None,
     """
     _, spec = _resolve(name)
     convs = load_prompts(name, split="test" if spec.held_out else "validation", limit=limit)
-    return [p.input_ids for p in encode_prompts(tokenizer, convs, max_length, on_long="error")]
+    return [(p.conversation.id, p.input_ids) for p in encode_prompts(tokenizer, convs, max_length, on_long="error")]
+
+
+def eval_prompts(name: str | Path, tokenizer: Any, limit: int | None = None,
+                 max_length: int | None = None) -> list[list[int]]:
+    """Token ids of :func:`eval_set` (the engine's input)."""
+    return [ids for _, ids in eval_set(name, tokenizer, limit, max_length)]

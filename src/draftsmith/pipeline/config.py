@@ -52,6 +52,7 @@ class TrainSection:
     grad_accum: int = opt(1, "rows per optimizer step")
     val_fraction: float = opt(0.05, "held-out share for best-checkpoint selection")
     eval_every: int = opt(50, "steps between validations")
+    checkpoint_every: int = opt(50, "steps between resumable checkpoints")
     init_from: str | None = opt(None, "warm-start from this draft (refresh)")
     precision: Literal["auto", "fp32", "bf16"] = opt("auto", "training precision")
     seed: int = opt(0, "seed")

@@ -83,6 +83,8 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
         train_inputs["init"] = steps.file_digest(Path(cfg.train.init_from) / "model.safetensors")
     t = cache.run("train", train_inputs,
                   lambda w: steps.train(v, Path(c["dir"]), cfg.train, w, k_export, cfg.verifier_name))
+    if previous is not None and steps.file_digest(previous / "model.safetensors") == t["sha"]:
+        previous = None  # the deployed draft is this very candidate (a re-run with nothing changed)
     drafts = {"candidate": Path(t["draft_dir"])}
     if previous is not None:
         drafts["previous"] = previous

@@ -121,7 +121,7 @@ def bench(v: Verifier, drafts: dict[str, Path], section: BenchSection, work: Pat
           progress: bool = True) -> dict[str, Any]:
     """Measure the drafts (label -> dir) against plain decoding on held-out prompts."""
     from draftsmith.bench import BenchConfig, benchmark
-    from draftsmith.data.prompts import eval_prompts
+    from draftsmith.data.prompts import eval_set
     from draftsmith.export import load_draft
     from draftsmith.utils import command_line
 
@@ -129,8 +129,7 @@ def bench(v: Verifier, drafts: dict[str, Path], section: BenchSection, work: Pat
                       dataset=section.dataset, num_prompts=section.num_prompts,
                       max_new_tokens=section.max_new_tokens, num_draft_tokens=list(section.num_draft_tokens),
                       repeats=section.repeats, hf_reference=section.hf_reference, progress=progress)
-    ids = eval_prompts(section.dataset, v.tokenizer, limit=section.num_prompts)
-    prompt_list = [(f"{section.dataset}-{i}", p) for i, p in enumerate(ids)]
+    prompt_list = eval_set(section.dataset, v.tokenizer, limit=section.num_prompts)
     proposers = {label: load_draft(d, v.model) for label, d in drafts.items()}
     report = benchmark(v.model, prompt_list, proposers, cfg, work,
                        {"verifier": v.spec, "fingerprint": v.fingerprint, "command": command_line(),

@@ -1,0 +1,36 @@
+"""Subprocess for tests/test_pipeline.py: a pipeline run that is killed at a chosen point.
+
+usage: pipeline_worker.py CONFIG.yaml [capture|train] [INT|KILL]
+Kills itself with the signal right after the 2nd shard (capture) or the 2nd
+checkpoint (train) is durably written: the worst moment a real kill can hit.
+"""
+
+import os
+import signal
+import sys
+
+from draftsmith.cli import main
+
+config, where, sig = (sys.argv[1:] + [None, None])[:3]
+if where:
+    count = {"n": 0}
+    signum = getattr(signal, f"SIG{sig}")
+
+    def after(fn):
+        def wrapped(*a, **k):
+            out = fn(*a, **k)
+            count["n"] += 1
+            if count["n"] == 2:
+                os.kill(os.getpid(), signum)
+            return out
+        return wrapped
+
+    if where == "capture":
+        from draftsmith.data import capture
+
+        capture._write_shard = after(capture._write_shard)
+    else:
+        from draftsmith.train import loop
+
+        loop.atomic_write_bytes = after(loop.atomic_write_bytes)  # the loop writes bytes only for checkpoints
+sys.exit(main(["pipeline", "run", config]))

@@ -1,0 +1,173 @@
+"""The pipeline: end to end on a tiny verifier, caching, kill/resume, gate, refresh, bad config."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import save_tiny_chat_verifier
+from draftsmith.cli import EXIT_ERROR, EXIT_GATE_FAILED, main
+
+HERE = Path(__file__).parent
+WORDS = ("sky blue grass green sun hot ice cold cat dog bird fish tree leaf rain snow red one two three "
+         "apple pear plum river hill stone").split()
+
+
+def _prompts(n: int) -> list[dict]:
+    return [{"id": f"p{i}", "prompt": f"Tell me about {WORDS[i % len(WORDS)]} and {WORDS[(3 * i + 1) % len(WORDS)]}."}
+            for i in range(n)]
+
+
+def _config(root: Path, verifier: Path, out: str, **over) -> Path:
+    data = root / "prompts.jsonl"
+    if not data.exists():
+        data.write_text("".join(json.dumps(p) + "\n" for p in _prompts(24)))
+    cfg = {"verifier": str(verifier), "preset": "tiny", "out": str(root / out), "device": "cpu",
+           "data": {"dataset": str(data), "num_conversations": 16, "max_new_tokens": 24, "batch_size": 4,
+                    "max_length": 128, "dtype": "float32"},
+           "train": {"epochs": 4, "draft_vocab_size": 128, "pack_tokens": 128, "eval_every": 4,
+                     "checkpoint_every": 2, "lr": 3e-3},
+           "bench": {"num_prompts": 2, "max_new_tokens": 16, "num_draft_tokens": [3], "hf_reference": False},
+           "gate": {"min_speedup": 0.0}}
+    for key, value in over.items():
+        section, _, name = key.partition("__")
+        if name:
+            cfg[section][name] = value
+        else:
+            cfg[section] = value
+    path = root / f"{out}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipe")
+    return root, save_tiny_chat_verifier(root / "verifier")
+
+
+def _worker(config: Path, where: str | None = None, sig: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent / "src")])}
+    args = [sys.executable, str(HERE / "pipeline_worker.py"), str(config)] + ([where, sig] if where else [])
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
+
+
+def _step_dir(out: Path, name: str) -> Path:
+    (d,) = (out / "steps").glob(f"{name}-*")
+    return d
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    """An uninterrupted run (subprocess, like the interrupted ones)."""
+    root, verifier = setup
+    cfg = _config(root, verifier, "ref")
+    proc = _worker(cfg)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return root / "ref"
+
+
+def test_end_to_end_report_and_cache(setup, reference, capsys):
+    report = json.loads((reference / "report.json").read_text())
+    gate = report["gate"]
+    assert set(gate) >= {"passed", "speedup", "acceptance_length", "reasons"} and gate["passed"]
+    assert (reference / "draft" / "config.json").is_file()
+    assert report["bench"]["candidate"]["identical_output_rate"] == 1.0
+    # a second run with nothing changed does no work: every step comes from the cache
+    root, verifier = setup
+    rc = main(["pipeline", "run", str(root / "ref.yaml")])
+    assert rc == 0
+    again = json.loads((reference / "report.json").read_text())
+    assert all(t["cached"] for t in again["steps"].values()), again["steps"]
+
+
+@pytest.mark.parametrize("kills", [[("capture", "INT"), ("train", "KILL")], [("capture", "KILL"), ("train", "INT")]])
+def test_killed_run_resumes_to_the_same_result(setup, reference, kills):
+    """Killed in capture, then killed in training, then run to the end: same shards, same draft."""
+    root, verifier = setup
+    out = "kill-" + "-".join(f"{w}{s}" for w, s in kills)
+    cfg = _config(root, verifier, out)
+    for where, sig in kills:
+        proc = _worker(cfg, where, sig)
+        assert proc.returncode != 0, (where, sig)  # it really died
+        assert not (root / out / "report.json").exists()
+    final = _worker(cfg)
+    assert final.returncode == 0, final.stderr[-2000:]
+    assert "[capture] up to date" in final.stderr and "[train] running (resuming)" in final.stderr
+    ref_shards = sorted((_step_dir(reference, "capture") / "shards").glob("shard-*.safetensors"))
+    got_shards = sorted((_step_dir(root / out, "capture") / "shards").glob("shard-*.safetensors"))
+    assert [p.name for p in ref_shards] == [p.name for p in got_shards] and len(ref_shards) >= 3
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(ref_shards, got_shards))
+    ref_w = (_step_dir(reference, "train") / "train" / "draft" / "model.safetensors").read_bytes()
+    got_w = (_step_dir(root / out, "train") / "train" / "draft" / "model.safetensors").read_bytes()
+    assert ref_w == got_w
+
+
+def test_gate_failure_exit_code_and_no_deploy(setup, reference, capsys):
+    """Same data/train/bench as the reference (all cached), a gate it cannot pass."""
+    root, verifier = setup
+    deployed = (reference / "draft" / "model.safetensors").read_bytes()
+    cfg = _config(root, verifier, "strict", gate={"min_speedup": 50.0})
+    rc = main(["pipeline", "run", str(cfg), "--out", str(reference)])
+    assert rc == EXIT_GATE_FAILED
+    report = json.loads((reference / "report.json").read_text())
+    assert report["gate"]["passed"] is False and "below the gate" in report["gate"]["reasons"][0]
+    assert report["deployed_draft"] is None
+    assert (reference / "draft" / "model.safetensors").read_bytes() == deployed  # the deployed draft stays
+    assert report["steps"]["train"]["cached"] and report["steps"]["bench"]["cached"]
+    assert "gate failed" in capsys.readouterr().err
+
+
+def test_bad_config_fails_before_any_work(setup, capsys, tmp_path):
+    root, verifier = setup
+    cases = [({"train": {"epochz": 2}}, "train.epochz"), ({"train": {"epochs": "many"}}, "epochs"),
+             ({"verifier": str(tmp_path / "missing")}, "not found"), ({"gate": [1, 2]}, "gate")]
+    for over, needle in cases:
+        cfg = {"verifier": str(verifier), "out": str(tmp_path / "o"), **over}
+        path = tmp_path / "bad.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        rc = main(["pipeline", "run", str(path)])
+        err = capsys.readouterr().err
+        assert rc == EXIT_ERROR and needle in err, (over, err)
+        assert not (tmp_path / "o" / "steps").exists()  # nothing ran
+
+
+def _fine_tune(src: Path, dst: Path, noise: float = 0.25) -> Path:
+    """A simulated fine-tune: the verifier's weights moved by noise (the tokenizer stays)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(src, dst)
+    model = AutoModelForCausalLM.from_pretrained(src)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise * p.std())
+    model.save_pretrained(dst)
+    return dst
+
+
+def test_refresh_detects_drift_and_recovers(setup, reference, capsys):
+    root, verifier = setup
+    old = reference / "draft"
+    before_train = json.loads((reference / "report.json").read_text())["bench"]["candidate"]
+    new_verifier = _fine_tune(verifier, root / "verifier-ft")
+    cfg = _config(root, new_verifier, "refresh-cfg")
+    rc = main(["refresh", "--verifier", str(new_verifier), "--draft", str(old), "--out", str(root / "refreshed"),
+               "--config", str(cfg), "--epochs", "4"])
+    report = json.loads((root / "refreshed" / "report.json").read_text())
+    stale, fresh = report["before"], report["after"]
+    # drift: the old draft accepts less on the fine-tuned verifier than on its own
+    assert stale["acceptance_length"] < before_train["acceptance_length"]
+    # recovery: the refreshed draft accepts more than the stale one on the new verifier
+    assert fresh["acceptance_length"] > stale["acceptance_length"]
+    assert report["mode"] == "refresh" and rc in (0, EXIT_GATE_FAILED)
+    assert "refresh: acceptance length" in capsys.readouterr().out
