@@ -105,7 +105,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "small": {},
     "full": {"data": {"num_conversations": 3000, "max_new_tokens": 320, "max_prompt_tokens": 384,
                       "batch_size": 128, "max_length": 768},
-             "train": {"epochs": 4, "draft_vocab_size": 16384, "pack_tokens": 2048, "eval_every": 200},
+             "train": {"epochs": 3, "ttt_steps": 5, "draft_vocab_size": 8192, "pack_tokens": 2048,
+                       "eval_every": 100},
              "bench": {"num_prompts": 80, "num_draft_tokens": [3, 4, 5, 6]}},
 }
 
