@@ -68,6 +68,15 @@ def perturbed_copy(model: torch.nn.Module, noise: float, seed: int = 123) -> tor
     return twin.eval()
 
 
+def smollm2_tokenizer():
+    """SmolLM2-135M's tokenizer alone, from the cached conversion (converting once if needed)."""
+    from transformers import AutoTokenizer
+
+    from draftsmith.models.verifier import resolve_spec
+
+    return AutoTokenizer.from_pretrained(resolve_spec("smollm2-135m"))
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The packaged SmolLM2-135M-Instruct verifier (float32, CPU)."""

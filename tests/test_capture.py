@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import smollm2_tokenizer, tiny_model
 from draftsmith.data import capture as C
 from draftsmith.data.chat import encode_chat
 from draftsmith.data.prompts import Conversation, tokenize_conversation
@@ -25,19 +25,7 @@ FP = "feedfacefeedface"
 
 @pytest.fixture(scope="module")
 def tok():
-    """SmolLM2-135M's tokenizer alone, from the cached conversion (converting once if needed)."""
-    from transformers import AutoTokenizer
-
-    from draftsmith.utils import cache_dir
-
-    dirs = sorted((cache_dir() / "gguf").glob("SmolLM2-135M-Instruct*/tokenizer.json"))
-    if dirs:
-        path = dirs[0].parent
-    else:
-        from draftsmith.models.verifier import resolve_spec
-
-        path = resolve_spec("smollm2-135m")
-    return AutoTokenizer.from_pretrained(path)
+    return smollm2_tokenizer()
 
 
 def model(arch: str = "llama"):

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import smollm2_tokenizer
+
 from draftsmith.data import prompts as P
 from draftsmith.data.chat import encode_chat
 from draftsmith.errors import DraftsmithError
@@ -19,19 +21,7 @@ MT_BENCH_Q81 = ("Compose an engaging travel blog post about a recent trip to Haw
 
 @pytest.fixture(scope="module")
 def tok():
-    """SmolLM2-135M's tokenizer alone, from the cached conversion (converting once if needed)."""
-    from transformers import AutoTokenizer
-
-    from draftsmith.utils import cache_dir
-
-    dirs = sorted((cache_dir() / "gguf").glob("SmolLM2-135M-Instruct*/tokenizer.json"))
-    if dirs:
-        path = dirs[0].parent
-    else:
-        from draftsmith.models.verifier import resolve_spec
-
-        path = resolve_spec("smollm2-135m")
-    return AutoTokenizer.from_pretrained(path)
+    return smollm2_tokenizer()
 
 
 def write_jsonl(path: Path, records: list) -> Path:
