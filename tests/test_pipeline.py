@@ -189,3 +189,18 @@ def test_gate_rules():
     assert not gate(None, None, g)["passed"]
     v = gate(cand, None, g)
     assert set(v) >= {"passed", "speedup", "acceptance_length", "reasons"}
+
+
+def test_data_and_train_commands(setup, tmp_path):
+    """The single-step commands chain: data -> train (the shards carry aux ids and fingerprint)."""
+    root, verifier = setup
+    data = root / "prompts.jsonl"
+    rc = main(["data", "--verifier", str(verifier), "--dataset", str(data), "--num-conversations", "6",
+               "--max-new-tokens", "12", "--batch-size", "6", "--max-length", "96", "--dtype", "float32",
+               "--out", str(tmp_path / "d")])
+    assert rc == 0 and (tmp_path / "d" / "shards" / "manifest.json").is_file()
+    rc = main(["train", "--verifier", str(verifier), "--data", str(tmp_path / "d" / "shards"), "--out",
+               str(tmp_path / "t"), "--draft-vocab-size", "64", "--pack-tokens", "96", "--epochs", "1",
+               "--val-fraction", "0.2", "--device", "cpu", "--precision", "fp32"])
+    assert rc == 0 and (tmp_path / "t" / "draft" / "config.json").is_file()
+    assert json.loads((tmp_path / "t" / "train_config.json").read_text())["verifier_fingerprint"]
