@@ -313,24 +313,20 @@ class Eagle3Draft(nn.Module):
         g = self.fuse(aux)  # [B, L, H]
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
-        bias0 = torch.zeros(attn_mask.shape, dtype=g.dtype, device=g.device).masked_fill(
-            ~attn_mask, float("-inf")).unsqueeze(1)  # [B, 1, L, L]
+        B, L = input_ids.shape
+        visible0 = attn_mask[:, None]  # [B, 1, L, L]
+        diagonal = torch.eye(L, dtype=torch.bool, device=attn_mask.device).expand(B, 1, L, L)
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # Step j's query at t sees step-0 keys s <= t (same document) and, from every
             # later step i <= j, only its own position t: the chain it would draft at inference.
+            # One fused SDPA over [K_0 | K_1 | ... | K_j] with that mask (memory-efficient).
             keys.append(_repeat_kv(k, rep))
             values.append(_repeat_kv(v, rep))
-            s0 = q @ keys[0].transpose(-1, -2) * self.scale + bias0  # [B, nh, L, L]
-            if len(keys) > 1:
-                diag = torch.stack([(q * kk).sum(-1) for kk in keys[1:]], -1) * self.scale  # [B, nh, L, j]
-                w = torch.cat([s0, diag], -1).float().softmax(-1).to(q.dtype)
-                L = s0.shape[-1]
-                out = w[..., :L] @ values[0] + (w[..., L:].unsqueeze(-1) * torch.stack(values[1:], -2)).sum(-2)
-            else:
-                out = s0.float().softmax(-1).to(q.dtype) @ values[0]
-            B, nh, L, hd = out.shape
-            return out.transpose(1, 2).reshape(B, L, nh * hd)
+            mask = torch.cat([visible0] + [diagonal] * (len(keys) - 1), dim=-1)  # [B, 1, L, (j+1)L]
+            out = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
+                                                 scale=self.scale)
+            return out.transpose(1, 2).reshape(B, L, -1)
 
         logits = []
         ids = input_ids

@@ -105,8 +105,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "small": {},
     "full": {"data": {"num_conversations": 3000, "max_new_tokens": 320, "max_prompt_tokens": 384,
                       "batch_size": 128, "max_length": 768},
-             "train": {"epochs": 3, "ttt_steps": 5, "draft_vocab_size": 8192, "pack_tokens": 2048,
-                       "eval_every": 100},
+             "train": {"epochs": 2, "ttt_steps": 5, "draft_vocab_size": 8192, "pack_tokens": 1024,
+                       "eval_every": 200},
              "bench": {"num_prompts": 80, "num_draft_tokens": [3, 5]}},
 }
 
