@@ -31,7 +31,7 @@ def _config(root: Path, verifier: Path, out: str, **over) -> Path:
         data.write_text("".join(json.dumps(p) + "\n" for p in _prompts(24)))
     cfg = {"verifier": str(verifier), "preset": "tiny", "out": str(root / out), "device": "cpu",
            "data": {"dataset": str(data), "num_conversations": 16, "max_new_tokens": 24, "batch_size": 4,
-                    "max_length": 128, "dtype": "float32"},
+                    "max_length": 128, "dtype": "float32", "samples_per_shard": 4},
            "train": {"epochs": 4, "draft_vocab_size": 128, "pack_tokens": 128, "eval_every": 4,
                      "checkpoint_every": 2, "lr": 3e-3},
            "bench": {"num_prompts": 2, "max_new_tokens": 16, "num_draft_tokens": [3], "hf_reference": False},

@@ -113,11 +113,17 @@ def test_resume_refuses_other_config(tmp_path, samples):
 
 
 def test_validation_acceptance_improves(tmp_path, samples):
-    cfg = _cfg(tmp_path, epochs=40, val_fraction=0.3, eval_every=10)
-    res = _train(cfg, samples)
+    """Validation acceptance is measured during training and the best checkpoint is the one kept.
+
+    A random tiny verifier's continuations cannot be generalised from four samples, so the
+    validation rows here are copies of training rows: what is learned shows up on them.
+    """
+    cfg = _cfg(tmp_path, epochs=15, val_fraction=0.3, eval_every=10)
+    res = _train(cfg, samples * 3)
     lines = [json.loads(x) for x in open(Path(cfg.out) / "metrics.jsonl")]
     vals = [r["val_acceptance_length"] for r in lines if "val_acceptance_length" in r]
-    assert vals[-1] >= vals[0] and res.best_acceptance_length == max(vals)
+    assert len(vals) >= 3 and max(vals) > vals[0] + 0.5, vals
+    assert res.best_acceptance_length == max(vals)
     assert (Path(cfg.out) / "draft" / "config.json").is_file()
 
 

@@ -164,7 +164,8 @@ def record_to_conversation(record: Any, where: str, source: str = "", default_id
 
     Shapes: ``{"messages": [{"role", "content"}, ...]}``, ShareGPT
     ``{"conversations": [{"from", "value"}, ...]}`` and
-    ``{"prompt": str, "response"|"completion"?: str, "system"?: str}``.
+    ``{"prompt": str, "response"|"completion"?: str, "system"?: str}`` and MT-Bench questions
+    ``{"turns": [str, ...]}`` (the first turn, as a prompt).
 
     Raises:
         DraftsmithError: naming ``where`` (e.g. ``data.jsonl line 7``) and the problem.
@@ -185,9 +186,11 @@ def record_to_conversation(record: Any, where: str, source: str = "", default_id
         reply = record.get("response", record.get("completion"))
         if reply is not None:
             messages.append({"role": "assistant", "content": _content_text(reply, where)})
+    elif isinstance(record.get("turns"), list) and record["turns"]:  # MT-Bench question files: the first turn
+        messages = [{"role": "user", "content": _content_text(record["turns"][0], where)}]
     else:
         keys = ", ".join(sorted(map(str, record))[:8]) or "none"
-        raise DraftsmithError(f"{where}: record has none of 'messages', 'conversations', 'prompt' "
+        raise DraftsmithError(f"{where}: record has none of 'messages', 'conversations', 'prompt', 'turns' "
                               f"(keys: {keys})")
     rid = record.get("id", record.get("question_id", record.get("task_id", default_id or where)))
     meta = record.get("meta") if isinstance(record.get("meta"), dict) else {}
@@ -838,6 +841,8 @@ def encode_prompts(tokenizer: Any, conversations: Iterable[Conversation], max_le
                    on_long: str = "drop") -> list[PromptIds]:
     """Chat-template each conversation's prompt (:meth:`Conversation.prompt_messages`) for generation.
 
+    A tokenizer without a chat template (a base model) gets the raw user text instead.
+
     Args:
         tokenizer: the verifier's tokenizer.
         conversations: the conversations to prompt.
@@ -851,8 +856,15 @@ def encode_prompts(tokenizer: Any, conversations: Iterable[Conversation], max_le
     if on_long not in ("drop", "error"):
         raise DraftsmithError(f"unknown policy {on_long!r} for long prompts; use 'drop' or 'error'")
     out, dropped = [], 0
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    if not chat:
+        log.warning("the tokenizer has no chat template: prompts are the raw text of their user turns")
     for conv in conversations:
-        ids = encode_chat(tokenizer, conv.prompt_messages(), add_generation_prompt=True)
+        if chat:
+            ids = encode_chat(tokenizer, conv.prompt_messages(), add_generation_prompt=True)
+        else:  # a base model: the user text as it is
+            ids = list(tokenizer("\n\n".join(m["content"] for m in conv.prompt_messages()
+                                              if m["role"] != "system"))["input_ids"])
         if max_length is not None and len(ids) >= max_length:
             if on_long == "error":
                 raise TooLong(f"prompt {conv.id!r} of {conv.source} has {len(ids)} tokens; the context is "
@@ -872,14 +884,18 @@ def eval_set(name: str | Path, tokenizer: Any, limit: int | None = None,
     """Chat-templated first-turn prompts of an evaluation set as ``(id, token ids)``.
 
     ``mt-bench``: the 80 first turns. ``humaneval``: each code prompt as a user
-    message asking to complete the function (:data:`HUMANEVAL_INSTRUCTION`). Any
-    other source gives the prompts of its *validation* split, which training never sees.
+    message asking to complete the function (:data:`HUMANEVAL_INSTRUCTION`). A registry
+    training set (``sharegpt``) gives the prompts of its *validation* split, which training
+    never sees; a local file is taken whole (it is the user's own evaluation set).
 
     Raises:
         TooLong: a prompt does not fit ``max_length`` (an evaluation set is not silently shrunk).
     """
-    _, spec = _resolve(name)
-    convs = load_prompts(name, split="test" if spec.held_out else "validation", limit=limit)
+    key, spec = _resolve(name)
+    # A registry training set (sharegpt) gives its validation split; a held-out set or a
+    # local file the user names as the evaluation set is used whole.
+    split = "test" if spec.held_out else ("validation" if key in DATASETS else "all")
+    convs = load_prompts(name, split=split, limit=limit)
     return [(p.conversation.id, p.input_ids) for p in encode_prompts(tokenizer, convs, max_length, on_long="error")]
 
 

@@ -28,13 +28,15 @@ class DataSection:
     max_prompt_tokens: int = opt(512, "longer prompts are dropped")
     max_length: int = opt(1024, "capture truncates samples to this many tokens")
     capture_batch_size: int = opt(8, "capture forward batch size")
+    samples_per_shard: int = opt(64, "conversations per capture shard (an interrupted capture resumes "
+                                     "after the last complete shard)")
     dtype: str = opt("auto", "verifier dtype while regenerating and capturing: auto = bfloat16 on CUDA and on "
                              "CPUs with AMX (2-4x faster there), else float32")
     seed: int = opt(0, "split and sampling seed")
 
     def __post_init__(self) -> None:
         for name in ("num_conversations", "max_new_tokens", "batch_size", "max_prompt_tokens", "max_length",
-                     "capture_batch_size"):
+                     "capture_batch_size", "samples_per_shard"):
             if getattr(self, name) < 1:
                 raise DraftsmithError(f"data.{name} must be >= 1")
 

@@ -91,7 +91,7 @@ def capture(v: Verifier, regenerated: Path, data: DataSection, work: Path) -> di
 
     out = capture_to_shards(v.model, v.tokenizer, load_regenerated(regenerated), work / "shards",
                             fingerprint=v.fingerprint, verifier_spec=v.spec, max_length=data.max_length,
-                            batch_size=data.capture_batch_size)
+                            batch_size=data.capture_batch_size, samples_per_shard=data.samples_per_shard)
     manifest = read_manifest(out)
     return {"dir": str(out), "sha": file_digest(out / "manifest.json"),
             "tokens": manifest.get("total_tokens"), "loss_tokens": manifest.get("total_loss_tokens"),
