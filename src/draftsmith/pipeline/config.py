@@ -104,11 +104,10 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "tiny": {"data": {"num_conversations": 24, "max_new_tokens": 48, "batch_size": 8, "max_length": 256},
              "train": {"epochs": 2, "draft_vocab_size": 2048, "pack_tokens": 256, "eval_every": 10},
              "bench": {"num_prompts": 2, "max_new_tokens": 32, "num_draft_tokens": [3], "hf_reference": False}},
-    # small: twice the conversations of the bare defaults at half the epochs (the same training
-    # steps; 6 epochs over 256 conversations overfit: train acc 0.7 vs validation 0.3), batch 128
-    # so regeneration costs about what 256 conversations at batch 64 cost.
-    "small": {"data": {"num_conversations": 512, "batch_size": 128},
-              "train": {"epochs": 2.5},
+    # small: the section defaults (256 conversations), 4 epochs (6 overfit: train acc 0.5-0.7 vs
+    # validation 0.3) and 8 bench prompts, so `make demo` fits in 25 minutes on 2 cores. Batch 128
+    # with 512 conversations measured 3x slower per batch than 64 here (long prompts dominate).
+    "small": {"train": {"epochs": 4.0},
               "bench": {"num_prompts": 8}},
     "full": {"data": {"num_conversations": 3000, "max_new_tokens": 320, "max_prompt_tokens": 384,
                       "batch_size": 128, "max_length": 768},
