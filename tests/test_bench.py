@@ -278,3 +278,13 @@ def test_bench_cli_on_smollm2(tmp_path):
     assert rc == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["provenance"]["fingerprint"] and report["rows"][1]["identical_output_rate"] == 1.0
+
+
+def test_monotone_fit_pools_violators():
+    fit = bench.monotone_fit({1: 0.089, 2: 0.091, 3: 0.079, 4: 0.138, 5: 0.124, 6: 0.118})
+    assert list(fit) == [1, 2, 3, 4, 5, 6]
+    assert fit[1] == fit[2] == fit[3] == pytest.approx((0.089 + 0.091 + 0.079) / 3)  # 0.085 < 0.089: pooled again
+    assert fit[4] == pytest.approx((0.138 + 0.124 + 0.118) / 3) == fit[6]
+    assert all(a <= b for a, b in zip(list(fit.values()), list(fit.values())[1:]))
+    already = {1: 1.0, 2: 2.0, 4: 3.0}
+    assert bench.monotone_fit(already) == already  # a monotone input is left alone

@@ -450,9 +450,28 @@ def timed_run(row: Row, ids: torch.Tensor, max_new_tokens: int, temperature: flo
     return RunResult(tokens, seconds, stats, calls, rss, cuda)
 
 
+def monotone_fit(values: dict[int, float]) -> dict[int, float]:
+    """Least-squares non-decreasing fit (pool adjacent violators) of ``n -> seconds``.
+
+    A forward over more tokens never costs less; a noisy median that says otherwise
+    (e.g. T(3) < T(1) on a busy machine) is pooled with its neighbours.
+    """
+    blocks: list[list[float]] = []  # [sum, count]
+    keys = sorted(values)
+    for n in keys:
+        blocks.append([values[n], 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    fitted = [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
+    return dict(zip(keys, fitted))
+
+
 def measure_verify_costs(model: torch.nn.Module, context: Sequence[int], ns: Sequence[int],
-                         repeats: int = 5, warmup: int = 2) -> dict[int, float]:
-    """Median seconds of a verifier forward on n tokens after ``context`` is cached, for each n.
+                         repeats: int = 9, warmup: int = 2) -> dict[int, float]:
+    """Median seconds of a verifier forward on n tokens after ``context`` is cached, for each n,
+    made non-decreasing in n by :func:`monotone_fit`.
 
     The same call the engine makes (cache append, logits of n positions), rolled back
     after each timing; n values are interleaved so drift spreads over all of them.
@@ -478,7 +497,7 @@ def measure_verify_costs(model: torch.nn.Module, context: Sequence[int], ns: Seq
                 if rep >= warmup:
                     times[n].append(time.perf_counter() - t0)
                 cache.crop(-n)
-    return {n: statistics.median(v) for n, v in times.items()}
+    return monotone_fit({n: statistics.median(v) for n, v in times.items()})
 
 
 def measure_draft_costs(model: torch.nn.Module, proposer: Proposer, prompt: Sequence[int], ks: Sequence[int],
