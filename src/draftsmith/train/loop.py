@@ -443,10 +443,13 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
                 dt = time.perf_counter() - t0
                 per_step_loss = [sums[3 * j] / max(1, sums[3 * j + 2]) for j in range(cfg.ttt_steps)]
                 per_step_acc = [sums[3 * j + 1] / max(1, sums[3 * j + 2]) for j in range(cfg.ttt_steps)]
-                rec = {"step": step, "epoch": epoch, "lr": sched.get_last_lr()[0],
-                       "loss": sum(w * x for w, x in zip(weights, per_step_loss)),
-                       "step_loss": per_step_loss, "step_acc": per_step_acc, "grad_norm": float(gnorm),
-                       "tokens_per_s": ntok_all / dt, "flops_per_s": flops_tok * ntok_all / dt}
+                rec = {"step": step, "epoch": epoch, "lr": sched.get_last_lr()[0]}
+                if ntok_all:
+                    rec.update({"loss": sum(w * x for w, x in zip(weights, per_step_loss)),
+                                "step_loss": per_step_loss, "step_acc": per_step_acc, "grad_norm": float(gnorm),
+                                "tokens_per_s": ntok_all / dt, "flops_per_s": flops_tok * ntok_all / dt})
+                else:  # a shuffled epoch can pack into fewer rows than the first: its last steps are empty
+                    rec["empty"] = True
                 if step % cfg.eval_every == 0 or step == total_steps:
                     rec.update(evaluate())
                     if rec["val_acceptance_length"] > best:
@@ -455,11 +458,15 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
                 if metrics_f:
                     metrics_f.write(json.dumps(rec) + "\n")
                     metrics_f.flush()
-                last_metrics = rec
+                # an empty step keeps the training numbers of the last real one in the summary
+                last_metrics = {**last_metrics, **rec} if ntok_all == 0 else rec
+                last_metrics.pop("empty", None)
                 bar.update(1)
-                bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{per_step_acc[0]:.2f}",
-                                tok_s=f"{rec['tokens_per_s']:.0f}",
-                                **({"val_al": f"{rec['val_acceptance_length']:.2f}"} if "val_acceptance_length" in rec else {}))
+                if ntok_all:
+                    bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{per_step_acc[0]:.2f}",
+                                    tok_s=f"{rec['tokens_per_s']:.0f}",
+                                    **({"val_al": f"{rec['val_acceptance_length']:.2f}"}
+                                       if "val_acceptance_length" in rec else {}))
                 if step % cfg.checkpoint_every == 0 or step == total_steps:
                     save_checkpoint()
     except KeyboardInterrupt:
