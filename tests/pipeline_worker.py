@@ -12,6 +12,10 @@ import sys
 from draftsmith.cli import main
 
 config, where, sig = (sys.argv[1:] + [None, None])[:3]
+# A process started in the background of a non-interactive shell (CI scripts, nohup ... &)
+# inherits SIGINT as *ignored*, and Python then never raises KeyboardInterrupt. Ctrl-C in a
+# terminal is what this test stands for, so restore that.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 if where:
     count = {"n": 0}
     signum = getattr(signal, f"SIG{sig}")
