@@ -40,7 +40,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
-from draftsmith.data.chat import encode_chat
+from draftsmith.data.chat import encode_chat, encode_prompt
 from draftsmith.errors import DraftsmithError
 
 log = logging.getLogger(__name__)
@@ -863,8 +863,8 @@ def encode_prompts(tokenizer: Any, conversations: Iterable[Conversation], max_le
         if chat:
             ids = encode_chat(tokenizer, conv.prompt_messages(), add_generation_prompt=True)
         else:  # a base model: the user text as it is
-            ids = list(tokenizer("\n\n".join(m["content"] for m in conv.prompt_messages()
-                                              if m["role"] != "system"))["input_ids"])
+            ids = encode_prompt(tokenizer, "\n\n".join(m["content"] for m in conv.prompt_messages()
+                                                       if m["role"] != "system"))
         if max_length is not None and len(ids) >= max_length:
             if on_long == "error":
                 raise TooLong(f"prompt {conv.id!r} of {conv.source} has {len(ids)} tokens; the context is "

@@ -459,8 +459,7 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
                     metrics_f.write(json.dumps(rec) + "\n")
                     metrics_f.flush()
                 # an empty step keeps the training numbers of the last real one in the summary
-                last_metrics = {**last_metrics, **rec} if ntok_all == 0 else rec
-                last_metrics.pop("empty", None)
+                last_metrics.update({k: v for k, v in rec.items() if k != "empty"})
                 bar.update(1)
                 if ntok_all:
                     bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{per_step_acc[0]:.2f}",
