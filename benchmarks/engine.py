@@ -6,7 +6,10 @@ rotates from prompt to prompt), on MT-Bench first turns with greedy decoding:
 * ``hf-generate``        transformers ``model.generate`` (plain greedy)
 * ``hf-prompt-lookup``   transformers ``generate(prompt_lookup_num_tokens=k)``
 * ``ours-plain``         ``draftsmith.generate(proposer=None)``
-* ``ours-ngram``         ``draftsmith.generate(proposer=NgramProposer())``, same k
+* ``ours-ngram``         ``draftsmith.generate(proposer=NgramProposer())``, at most the same k
+  (its draft length adapts to the last draft's fate, the proposer's default)
+* ``ours-ngram-fixed``   (``--fixed-ngram-row``) the same lookup with ``adaptive=False``: k
+  tokens on every match, HF's policy, to show what the adaptive length buys
 
 and reports tokens/s medians, the paired per-prompt ratios ours-plain/hf-generate
 and ours-ngram/hf-prompt-lookup (median, bootstrap 95% CI, worst prompt), and
@@ -16,8 +19,8 @@ hf-prompt-lookup (every per-prompt ratio >= 1.0).
 
 Usage (the recorded run)::
 
-    PYTHONPATH=src python benchmarks/engine.py --num-prompts 20 --max-new-tokens 128 \\
-        --out benchmarks/results/engine-smollm2-135m.json
+    PYTHONPATH=src python benchmarks/engine.py --num-prompts 10 --max-new-tokens 128 --threads 2 \\
+        --repeats 2 --fixed-ngram-row --out benchmarks/results/engine-smollm2-135m-adaptive.json
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto", help="auto, cpu, cuda")
     ap.add_argument("--dtype", default="auto", help="auto (float32 on CPU), float32, bfloat16")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/engine.json"), help="result JSON")
+    ap.add_argument("--fixed-ngram-row", action="store_true",
+                    help="also time our n-gram with a fixed draft length (adaptive=False), HF's policy")
     ap.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = ap.parse_args(argv)
     if min(args.num_prompts, args.max_new_tokens, args.num_draft_tokens, args.repeats) < 1:
@@ -68,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     k = args.num_draft_tokens
     rows = [Row("hf-generate", "hf-generate", model), Row("hf-prompt-lookup", "hf-prompt-lookup", model, k=k),
             Row("ours-plain", "plain", model), Row("ours-ngram", "drafter", model, "ngram", k, NgramProposer())]
+    if args.fixed_ngram_row:  # what the adaptive draft length buys: the same lookup at a fixed k
+        rows.append(Row("ours-ngram-fixed", "drafter", model, "ngram-fixed", k, NgramProposer(adaptive=False)))
     state = BenchState(rows, prompts)
     try:
         measure_interleaved(state, args.max_new_tokens, 0.0, args.repeats, seed=0, progress=not args.no_progress)
@@ -90,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
 
     plain_vs_hf = compare("ours-plain", "hf-generate")
     ngram_vs_pld = compare("ours-ngram", "hf-prompt-lookup")
+    extra = {}
+    if "ours-ngram-fixed" in tps:
+        extra["ours-ngram-fixed / hf-prompt-lookup"] = compare("ours-ngram-fixed", "hf-prompt-lookup")
+    extra["ours-ngram / ours-plain"] = compare("ours-ngram", "ours-plain")
     identical = {name: sum(a == b for a, b in zip(tokens[name], tokens["hf-generate"])) / len(done)
                  for name in tokens}
     targets = {"ours-plain within 10% of hf-generate (median ratio >= 0.90)": plain_vs_hf["median"] >= 0.90,
@@ -100,11 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"dataset": "mt-bench (first turns)", "prompts": len(done), "max_new_tokens": args.max_new_tokens,
                      "num_draft_tokens": k, "repeats": args.repeats, "decoding": "greedy",
                      "torch_threads": torch.get_num_threads(),
-                     "hf_max_matching_ngram_size": "transformers default (2)", "ours_max_ngram": 3},
+                     "hf_max_matching_ngram_size": "transformers default (2)", "ours_max_ngram": 3,
+                     "ours_ngram_draft_length": "adaptive (NgramProposer default), at most k"},
         "environment": _environment(),
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "tokens_per_second": {name: summarize(v) for name, v in tps.items()},
-        "ratios": {"ours-plain / hf-generate": plain_vs_hf, "ours-ngram / hf-prompt-lookup": ngram_vs_pld},
+        "ratios": {"ours-plain / hf-generate": plain_vs_hf, "ours-ngram / hf-prompt-lookup": ngram_vs_pld,
+                   **extra},
         "identical_to_hf_generate": identical,
         "targets": targets,
         "per_prompt": [{"prompt": prompts[p][0], "new_tokens": {n: len(tokens[n][j]) for n in tokens},

@@ -34,6 +34,7 @@ def _drafters(arch: str):
         "random": DraftModelProposer(tiny_model(arch, seed=7)),
         "partial": DraftModelProposer(perturbed_copy(verifier, noise=0.02)),
         "ngram": NgramProposer(),
+        "ngram-fixed": NgramProposer(adaptive=False),
     }
 
 
@@ -110,6 +111,32 @@ def test_ngram_proposes_latest_match():
     assert prop.tokens.tolist() == [9, 9, 5]  # latest "5 6" was followed by 9 9 5
     none = NgramProposer().propose(DraftContext(torch.tensor([1, 2, 3, 4])), 3, SamplingParams(), None)
     assert none.tokens.numel() == 0
+
+
+def test_adaptive_ngram_shrinks_after_rejection_and_regrows():
+    from draftsmith.decoding import DraftContext, SamplingParams
+
+    sp = SamplingParams()
+    base = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]  # "1 2" recurs: drafts continue with 3 4 5 ...
+    prop = NgramProposer(max_ngram=2)
+    assert prop.propose(DraftContext(torch.tensor(base)), 6, sp, None).tokens.tolist() == [3, 4, 5, 6, 7, 8]
+    # the verifier accepted 3 4 and corrected 5 -> 0: the next draft holds at most 2 + 1 tokens
+    ctx = base + [3, 4, 0, 1, 2]
+    assert prop.propose(DraftContext(torch.tensor(ctx)), 6, sp, None).tokens.tolist() == [3, 4, 0]
+    assert prop.cap == 3
+    # all three accepted (+ the bonus token 1): the cap doubles to 6, i.e. back to k
+    ctx = ctx + [3, 4, 0, 1, 2]
+    assert prop.propose(DraftContext(torch.tensor(ctx)), 6, sp, None).tokens.tolist() == [3, 4, 0, 1, 2]
+    assert prop.cap is None
+    # a rejection at the first token leaves room for one token; reset forgets it all
+    prop.propose(DraftContext(torch.tensor(ctx + [9, 9, 1, 2])), 6, sp, None)
+    assert prop.cap == 1
+    prop.reset()
+    assert prop.cap is None
+    fixed = NgramProposer(max_ngram=2, adaptive=False)
+    fixed.propose(DraftContext(torch.tensor(base)), 6, sp, None)
+    again = fixed.propose(DraftContext(torch.tensor(base + [3, 4, 0, 1, 2])), 6, sp, None)
+    assert again.tokens.tolist() == [3, 4, 0, 1, 2]  # not capped at 3
 
 
 def test_bad_inputs():
