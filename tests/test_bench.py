@@ -198,10 +198,16 @@ def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
     for plot in bench.PLOTS:
         assert (tmp_path / plot).stat().st_size > 10_000, plot
     # the verdicts a person must not miss
-    report["break_even"]["wrong"].update(measured_speedup=0.8, below_break_even=True, meets_target=False)
+    wrong = report["break_even"]["wrong"]
+    wrong.update(measured_speedup=0.8, below_break_even=True, meets_target=False)
+    wrong["measured"][str(wrong["measured_k"])]["ci95"] = [0.75, 0.85]
     report["rows"][1]["identical_output_rate"], report["rows"][1]["identical_prompts"] = 0.5, "1/2"
     md = bench.render_markdown(report)
     assert "this draft makes decoding slower by 20% (0.80x at k=" in md
+    # an interval that holds 1.0 is reported as no measurable effect, not as "slower by 1%"
+    wrong.update(measured_speedup=0.99)
+    wrong["measured"][str(wrong["measured_k"])]["ci95"] = [0.95, 1.03]
+    assert "wrong**: no measurable effect (0.99x [0.95-1.03] at k=" in bench.render_markdown(report)
     assert "WARNING: ngram k=2 output equals plain decoding on only 1/2 prompts" in md and "a bug" in md
     assert len(md.splitlines()) <= 40
 

@@ -889,8 +889,13 @@ def render_markdown(report: dict[str, Any]) -> str:
             continue
         k, s, f = be["measured_k"], be["measured_speedup"], be["factors"]
         pred = be["measured"][str(k)]["predicted"]
-        head = (f"this draft makes decoding slower by {100 * (1 - s):.0f}% ({s:.2f}x at k={k})"
-                if be["below_break_even"] else f"{s:.2f}x at k={k}")
+        lo, hi = be["measured"][str(k)].get("ci95") or (None, None)
+        if lo is not None and lo <= 1.0 <= hi:  # the interval cannot tell it from plain decoding
+            head = f"no measurable effect ({s:.2f}x [{lo:.2f}-{hi:.2f}] at k={k})"
+        elif be["below_break_even"]:
+            head = f"this draft makes decoding slower by {100 * (1 - s):.0f}% ({s:.2f}x at k={k})"
+        else:
+            head = f"{s:.2f}x at k={k}"
         line = (f"- **{name}**: {head}, predicted {pred:.2f}x; best predicted k = {be['best_k']} "
                 f"({be['best_k_predicted_speedup']:.2f}x). ")
         acc = next(r for r in report["rows"] if r["drafter"] == name and r["k"] == k)["acceptance"]
