@@ -112,6 +112,22 @@ def test_resume_refuses_other_config(tmp_path, samples):
         _train(_cfg(tmp_path, epochs=1, lr=1e-4), samples)
 
 
+def test_draft_mlp_width_option(tmp_path, samples):
+    """--draft-intermediate-size widens the draft's MLP, survives save/load, and is part of the config
+    hash (a checkpoint of the default width does not resume at another width)."""
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.export import read_draft
+
+    cfg = _cfg(tmp_path, epochs=1, draft_intermediate_size=80)
+    res = _train(cfg, samples)
+    assert res.draft.layers[0].mlp.gate_proj.weight.shape[0] == 80 != _verifier().config.intermediate_size
+    again = read_draft(Path(cfg.out) / "draft", device="cpu", dtype=torch.float32)
+    assert again.config.intermediate_size == 80
+    assert loop_mod._config_hash(cfg) != loop_mod._config_hash(_cfg(tmp_path, epochs=1))
+    with pytest.raises(DraftsmithError, match="different configuration"):
+        _train(_cfg(tmp_path, epochs=1), samples)
+
+
 def test_validation_acceptance_improves(tmp_path, samples):
     """Validation acceptance is measured during training and the best checkpoint is the one kept.
 

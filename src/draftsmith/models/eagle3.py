@@ -117,7 +117,7 @@ class Eagle3Config:
         rope.setdefault("rope_type", "default")
         rope.setdefault("rope_theta", float(getattr(c, "rope_theta", 10000.0)))
         V = c.vocab_size
-        return cls(
+        fields: dict[str, Any] = dict(
             vocab_size=V,
             draft_vocab_size=min(draft_vocab_size or 32000, V),
             hidden_size=c.hidden_size,
@@ -130,8 +130,8 @@ class Eagle3Config:
             rope_parameters=rope,
             max_position_embeddings=int(getattr(c, "max_position_embeddings", 4096)),
             verifier_architectures=list(getattr(verifier_config, "architectures", None) or []),
-            **overrides,
         )
+        return cls(**{**fields, **overrides})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

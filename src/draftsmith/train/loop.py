@@ -39,6 +39,8 @@ class TrainConfig:
     data: str | None = opt(None, "directory of captured shards (from `draftsmith data`)")
     out: str = opt("runs/draft", "output directory: checkpoints, metrics.jsonl, the draft")
     draft_vocab_size: int = opt(32000, "draft vocabulary size (capped at the verifier's)")
+    draft_intermediate_size: int | None = opt(None, "MLP width of the draft's decoder layer (default: the "
+                                              "verifier's intermediate size)")
     ttt_steps: int = opt(3, "training-time-test unroll length (1-7)")
     step_weight: float = opt(0.8, "loss weight of unroll step j is step_weight**j")
     epochs: float = opt(1.0, "passes over the training rows")
@@ -73,6 +75,7 @@ class TrainConfig:
             raise DraftsmithError(f"invalid value for {', '.join(bad)}")
 
 
+_OPTIONAL_RESULT_FIELDS = ("draft_intermediate_size",)
 # Fields that change the result; the rest (logging cadence, device) may differ on resume.
 _RESULT_FIELDS = ("verifier", "data", "draft_vocab_size", "ttt_steps", "step_weight", "epochs", "max_steps", "lr",
                   "weight_decay", "warmup_ratio", "min_lr_ratio", "grad_clip", "pack_tokens", "grad_accum",
@@ -240,7 +243,11 @@ def _split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
 
 def _config_hash(cfg: TrainConfig) -> str:
     d = to_dict(cfg)
-    return hashlib.sha256(json.dumps({k: d[k] for k in _RESULT_FIELDS}, sort_keys=True).encode()).hexdigest()[:16]
+    fields = {k: d[k] for k in _RESULT_FIELDS}
+    for k in _OPTIONAL_RESULT_FIELDS:  # hashed only when set, so runs from before the option still resume
+        if d.get(k) is not None:
+            fields[k] = d[k]
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -288,8 +295,9 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
         counts = token_counts((samples[i] for i in train_idx), verifier.get_output_embeddings().weight.shape[0])
         vocab = select_vocab(counts, min(cfg.draft_vocab_size, counts.shape[0]))
         vocab_cov = coverage(counts, vocab)
+        width = {"intermediate_size": cfg.draft_intermediate_size} if cfg.draft_intermediate_size else {}
         draft = build_draft(verifier, vocab, cfg.seed, aux_layer_ids=aux_layer_ids,
-                            num_draft_tokens=cfg.num_draft_tokens, verifier_name=cfg.verifier)
+                            num_draft_tokens=cfg.num_draft_tokens, verifier_name=cfg.verifier, **width)
     if aux_layer_ids is not None and list(draft.config.aux_layer_ids) != list(aux_layer_ids):
         raise DraftsmithError(f"the samples hold aux layers {list(aux_layer_ids)} but the draft reads "
                               f"{draft.config.aux_layer_ids}")
