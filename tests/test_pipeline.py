@@ -88,7 +88,8 @@ def test_end_to_end_report_and_cache(setup, reference, capsys):
     assert all(t["cached"] for t in again["steps"].values()), again["steps"]
 
 
-@pytest.mark.parametrize("kills", [[("capture", "INT"), ("train", "KILL")], [("capture", "KILL"), ("train", "INT")]])
+@pytest.mark.parametrize("kills", [[("capture", "INT"), ("train", "KILL")], [("capture", "KILL"), ("train", "INT")],
+                                   [("capture", "TERM"), ("train", "TERM")]])
 def test_killed_run_resumes_to_the_same_result(setup, reference, kills):
     """Killed in capture, then killed in training, then run to the end: same shards, same draft."""
     root, verifier = setup
@@ -97,6 +98,8 @@ def test_killed_run_resumes_to_the_same_result(setup, reference, kills):
     for where, sig in kills:
         proc = _worker(cfg, where, sig)
         assert proc.returncode != 0, (where, sig)  # it really died
+        if sig == "TERM":  # ... through the interrupt path (checkpoint first), not by the default action
+            assert proc.returncode == 143 and "interrupted (SIGTERM)" in proc.stderr, (proc.returncode, where)
         assert not (root / out / "report.json").exists()
     final = _worker(cfg)
     assert final.returncode == 0, final.stderr[-2000:]

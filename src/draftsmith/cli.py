@@ -231,7 +231,21 @@ def _quiet_libraries(verbose: bool) -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what ``kill``, Kubernetes and batch schedulers send before SIGKILL), raised as an
+    interrupt so every step takes its Ctrl-C path: checkpoint, partial report, clean exit."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
     parser = build_parser()
     ns = parser.parse_args(argv)
     _quiet_libraries(ns.verbose)
@@ -245,9 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     except DraftsmithError as e:
         print(f"draftsmith: error: {e}", file=sys.stderr)
         return EXIT_ERROR
-    except KeyboardInterrupt:
-        print("draftsmith: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        term = isinstance(e, Terminated)
+        print(f"draftsmith: interrupted{' (SIGTERM)' if term else ''}; run the same command again to resume",
+              file=sys.stderr)
+        return 143 if term else 130
 
 
 if __name__ == "__main__":
