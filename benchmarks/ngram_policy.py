@@ -80,13 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     t_verify = measure_verify_costs(model, context, range(1, args.num_draft_tokens + 2))
 
     def ours(adaptive: bool):
-        prop = NgramProposer(adaptive=adaptive)
-        first = [True]
+        prop = NgramProposer(adaptive=adaptive)  # fresh per replayed output: no state carries over
 
         def propose(seq: list[int], k: int) -> list[int]:
-            if first[0]:
-                prop.reset()
-                first[0] = False
             return prop.propose(DraftContext(torch.tensor(seq)), k, SamplingParams(), None).tokens.tolist()
         return propose
 
@@ -101,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             speedups.append(replay(ids, out, t_verify, propose, schedule, args.num_draft_tokens))
         result["predicted_speedup_vs_plain"][name] = speedups
     hf = result["predicted_speedup_vs_plain"]["hf"]
-    print(f"T_verify(n)/T(1): " + " ".join(f"{n}:{t / t_verify[1]:.2f}" for n, t in t_verify.items()))
+    print("T_verify(n)/T(1): " + " ".join(f"{n}:{t / t_verify[1]:.2f}" for n, t in t_verify.items()))
     for name, v in result["predicted_speedup_vs_plain"].items():
         rel = [a / b for a, b in zip(v, hf)]
         print(f"  {name:12s} vs plain: median {statistics.median(v):.3f} (min {min(v):.2f})   "

@@ -118,10 +118,10 @@ class NgramProposer(Proposer):
         T = tokens.shape[0]
         if self.adaptive:
             self._learn(tokens)
-            if self.cap is not None:
-                if self.cap >= k:
-                    self.cap = None
-                k = min(k, self.cap or k)
+            if self.cap is not None and self.cap < k:
+                k = self.cap
+            else:
+                self.cap = None  # grown back to (or past) what the engine asks: no cap
         for n in range(min(self.max_ngram, T - 1), self.min_ngram - 1, -1):
             # windows[i] = tokens[i : i+n], for starts i whose continuation lies before the suffix
             windows = tokens[: T - 1].unfold(0, n, 1)  # [T-n, n]

@@ -165,7 +165,8 @@ def gate(candidate: dict[str, Any] | None, previous: dict[str, Any] | None, sect
                 "reasons": ["the draft was not measured (bench produced no row for it)"]}
     s, al, same = candidate["speedup"], candidate["acceptance_length"], candidate["identical_output_rate"]
     if s < section.min_speedup:
-        slower = f" (it makes decoding {100 * (1 - s):.0f}% slower)" if s < 0.995 else ""
+        pct = round(100 * (1 - s))
+        slower = f" (it makes decoding {pct}% slower)" if pct > 0 else ""
         reasons.append(f"measured speedup {s:.2f}x is below the gate's {section.min_speedup:.2f}x{slower}")
     if section.require_identical and same is not None and same < 1.0:
         reasons.append(f"greedy outputs differ from plain decoding on {100 * (1 - same):.0f}% of prompts")
