@@ -153,6 +153,43 @@ def test_long_conversations_are_truncated_and_prompts_too_long_dropped(tok, tmp_
                             progress=False)
 
 
+def test_loop_cut_by_hand():
+    # 50 distinct tokens, then a 5-token cycle. The 4-gram ending at i first repeats at i = 58
+    # ((50..53) == (55..58)); from there every 4-gram repeats, so the last 32 hold >= 16 repeats
+    # first at i = 58 + 15 = 73, and the cut keeps 32 more tokens: 73 + 1 + 32 = 106.
+    looping = list(range(50)) + [100, 101, 102, 103, 104] * 20
+    assert C.loop_cut(looping) == 106
+    # negative controls: no repeat at all, and a loop too short to fill half a window, are kept whole
+    assert C.loop_cut(list(range(200))) == 200
+    sparse = list(range(60)) + [0, 1, 2, 3] * 3 + list(range(200, 260))  # 9 repeated 4-grams, then new text
+    assert C.loop_cut(sparse) == len(sparse)
+    assert C.loop_cut(looping[:70]) == 70  # the loop never fills half a window: nothing cut
+
+
+def test_trim_loops_cuts_only_the_looping_reply(tok, tmp_path, caplog):
+    m = model()
+    loop_reply = "Paris is the capital. " + "It is a city. " * 40
+    convs = chats(3) + [Conversation([{"role": "user", "content": "Capital of France?"},
+                                      {"role": "assistant", "content": loop_reply}], id="loop")]
+    whole = list(C.capture_samples(m, tok, convs))
+    cut = list(C.capture_samples(m, tok, convs, trim_loops=True))
+    assert "1 loop trimmed" in caplog.text
+    for a, b in zip(whole[:3], cut[:3]):  # replies that do not loop are untouched
+        assert all(torch.equal(a[k], b[k]) for k in C.SAMPLE_KEYS)
+    a, b = whole[3], cut[3]
+    start = int(a["loss_mask"].int().argmax())
+    expected = start + C.loop_cut(a["input_ids"][start:].tolist())  # one assistant span, ending in <|im_end|>
+    assert b["input_ids"].numel() == expected < a["input_ids"].numel()
+    assert torch.equal(b["input_ids"], a["input_ids"][:expected]) and torch.equal(b["loss_mask"], a["loss_mask"][:expected])
+    assert torch.equal(b["aux"], a["aux"][:expected])  # a causal model: the kept prefix's states are unchanged
+    out = tmp_path / "s"
+    C.capture_to_shards(m, tok, convs, out, fingerprint=FP, verifier_spec="t", trim_loops=True, progress=False)
+    manifest = C.read_manifest(out)
+    assert manifest["trim_loops"] is True and manifest["dropped"]["loop_trimmed"] == 1
+    with pytest.raises(DraftsmithError, match="trim_loops=True, not False"):
+        C.capture_to_shards(m, tok, convs, out, fingerprint=FP, verifier_spec="t", progress=False)
+
+
 def test_bad_input_is_a_clear_error(tok, tmp_path):
     m = model()
     for call in (lambda c: C.capture_samples(m, tok, c),

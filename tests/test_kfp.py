@@ -262,9 +262,9 @@ def test_trainjob_cli_layers_flags_over_config_file(tmp_path):
     cfg = from_args(TrainConfig, build_parser().parse_args(["train", *_train_argv(m["spec"]["trainer"]["command"])]))
     full = build_config(str(config)).train
     assert cfg.epochs == 2  # the flag wins over the file
-    default_pack = TrainConfig.__dataclass_fields__["pack_tokens"].default
-    assert full.pack_tokens != default_pack  # the preset sets it, so it shows whether the preset travelled
-    assert cfg.lr == 5e-4 and cfg.pack_tokens == full.pack_tokens  # the file (and its preset) under it
+    default_ttt = TrainConfig.__dataclass_fields__["ttt_steps"].default
+    assert full.ttt_steps != default_ttt  # the preset sets it, so it shows whether the preset travelled
+    assert cfg.lr == 5e-4 and cfg.ttt_steps == full.ttt_steps  # the file (and its preset) under it
     assert (cfg.verifier, cfg.data, cfg.out) == ("/data/v", "/data/shards", "/data/draft")
     assert main(["kfp", "trainjob", "--verifier", "v", "--data", "d", "--name", "Bad_Name",
                  "--out", str(tmp_path / "x.yaml")]) == EXIT_ERROR

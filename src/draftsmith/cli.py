@@ -88,18 +88,17 @@ class DataConfig(DataSection):
 def run_data(cfg: Any) -> int:
     from pathlib import Path
 
-    from draftsmith.config import to_dict
     from draftsmith.pipeline import steps
     from draftsmith.pipeline.cache import StepCache
 
     out = Path(cfg.out)
     v = steps.Verifier(cfg.verifier, steps.data_dtype(cfg.dtype, cfg.device), cfg.device)
     cache = StepCache(out / "steps")
-    data = to_dict(cfg)
+    data = steps.regeneration_key(cfg)
     p = cache.run("prompts", {"data": data}, lambda w: steps.prompts(cfg, w))
     r = cache.run("regenerate", {"fp": v.fingerprint, "prompts": p["sha"], "data": data},
                   lambda w: steps.regenerate(v, Path(p["path"]), cfg, w))
-    c = cache.run("capture", {"fp": v.fingerprint, "regenerated": r["sha"], "max_length": cfg.max_length,
+    c = cache.run("capture", {"fp": v.fingerprint, "regenerated": r["sha"], **steps.capture_key(cfg),
                               "dtype": v.dtype},
                   lambda w: steps.capture(v, Path(r["path"]), cfg, w))
     link = out / "shards"

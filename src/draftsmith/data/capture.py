@@ -71,6 +71,9 @@ SAMPLE_KEYS = ("input_ids", "loss_mask", "aux", "last")
 _META_KEY = "draftsmith"  # one metadata key: safetensors writes several keys in a random order
 # Manifest fields that must match for a directory to be resumed; the rest may differ.
 _RESUME_KEYS = ("format", "fingerprint", "aux_layer_ids", "hidden_size", "dtype", "max_length", "samples_per_shard")
+# Loop trimming (see loop_cut): an n-gram size, a window that must be this share repeated n-grams,
+# and how many tokens of the loop stay in the sample.
+LOOP_NGRAM, LOOP_WINDOW, LOOP_SHARE, LOOP_KEEP = 4, 32, 0.5, 32
 
 
 # ----------------------------------------------------------------------------- shared helpers
@@ -415,14 +418,17 @@ class _Counts:
     no_reply: int = 0
     too_long: int = 0
     truncated: int = 0
+    loop_trimmed: int = 0
 
     def add(self, other: "_Counts") -> None:
         self.no_reply += other.no_reply
         self.too_long += other.too_long
         self.truncated += other.truncated
+        self.loop_trimmed += other.loop_trimmed
 
     def as_dict(self) -> dict[str, int]:
-        return {"no_reply": self.no_reply, "too_long": self.too_long, "truncated": self.truncated}
+        return {"no_reply": self.no_reply, "too_long": self.too_long, "truncated": self.truncated,
+                "loop_trimmed": self.loop_trimmed}
 
 
 @dataclass
@@ -437,10 +443,11 @@ class _Plan:
     decoder: torch.nn.Module
     pad_id: int
     keep_logits: bool
+    trim_loops: bool = False
 
 
 def _plan(model: torch.nn.Module, tokenizer: Any, convs: list[Conversation], aux_layer_ids: Sequence[int] | None,
-          max_length: int, batch_size: int, dtype: torch.dtype | str) -> _Plan:
+          max_length: int, batch_size: int, dtype: torch.dtype | str, trim_loops: bool = False) -> _Plan:
     if max_length < 2:
         raise DraftsmithError(f"--max-length must be >= 2, got {max_length}")
     if batch_size < 1:
@@ -464,11 +471,50 @@ def _plan(model: torch.nn.Module, tokenizer: Any, convs: list[Conversation], aux
         pad = getattr(tokenizer, "eos_token_id", None) or 0
     return _Plan(ids, max_length, _text_config(model).hidden_size, resolve_dtype(dtype, torch.device("cpu")),
                  batch_size, decoder, int(pad),
-                 keep_logits="logits_to_keep" in inspect.signature(model.forward).parameters)
+                 keep_logits="logits_to_keep" in inspect.signature(model.forward).parameters, trim_loops=trim_loops)
 
 
-def _tokenize(tokenizer: Any, conv: Conversation, max_length: int, counts: _Counts) -> TokenizedConversation | None:
-    """The conversation's ids and loss mask cut to ``max_length`` (keeping the start), or None (counted)."""
+def loop_cut(tokens: Sequence[int], ngram: int = LOOP_NGRAM, window: int = LOOP_WINDOW, share: float = LOOP_SHARE,
+             keep: int = LOOP_KEEP) -> int:
+    """How many of ``tokens`` to keep when a reply falls into a repetition loop (all of them if it does not).
+
+    A loop is detected at the first position where at least ``share`` of the last ``window``
+    ``ngram``-grams occurred earlier in ``tokens``; the reply is cut ``keep`` tokens after it.
+    Small verifiers loop in long greedy replies; a looping tail is easy to predict and
+    teaches a draft little, so cutting it spends training on the text that decides acceptance
+    (BENCHMARKS.md section 3), while the kept start of the loop still shows the draft to copy.
+    """
+    seen: set[tuple[int, ...]] = set()
+    repeated: list[bool] = []
+    hits = 0
+    for i in range(len(tokens)):
+        g = tuple(tokens[i - ngram + 1:i + 1]) if i >= ngram - 1 else None
+        r = g is not None and g in seen
+        if g is not None:
+            seen.add(g)
+        repeated.append(r)
+        hits += r
+        if len(repeated) > window:
+            hits -= repeated[-window - 1]
+        if i + 1 >= window and hits >= share * window:
+            return min(len(tokens), i + 1 + keep)
+    return len(tokens)
+
+
+def _trim_loop(sample: TokenizedConversation) -> TokenizedConversation:
+    """Cut the sample where its assistant tokens (in order) fall into a loop (:func:`loop_cut`)."""
+    where = [i for i, m in enumerate(sample.loss_mask) if m]
+    n = loop_cut([sample.input_ids[i] for i in where])
+    if n >= len(where):
+        return sample
+    end = where[n - 1] + 1 if n else where[0]
+    return TokenizedConversation(sample.input_ids[:end], sample.loss_mask[:end])
+
+
+def _tokenize(tokenizer: Any, conv: Conversation, max_length: int, counts: _Counts,
+              trim_loops: bool = False) -> TokenizedConversation | None:
+    """The conversation's ids and loss mask cut to ``max_length`` (keeping the start) and, with
+    ``trim_loops``, where its reply loops; or None (counted)."""
     if not conv.has_assistant:
         counts.no_reply += 1
         return None
@@ -482,6 +528,10 @@ def _tokenize(tokenizer: Any, conv: Conversation, max_length: int, counts: _Coun
         counts.too_long += 1
         return None
     counts.truncated += len(sample.input_ids) < len(full.input_ids)
+    if trim_loops:
+        trimmed = _trim_loop(sample)
+        counts.loop_trimmed += len(trimmed.input_ids) < len(sample.input_ids)
+        sample = trimmed
     return sample
 
 
@@ -542,7 +592,8 @@ def _capture_window(model: torch.nn.Module, tokenizer: Any, plan: _Plan,
                     convs: Sequence[Conversation]) -> tuple[list[dict], list[str], _Counts]:
     """Samples of consecutive conversations, batched by length, returned in input order."""
     counts = _Counts()
-    kept = [(c.id, s) for c in convs if (s := _tokenize(tokenizer, c, plan.max_length, counts)) is not None]
+    kept = [(c.id, s) for c in convs
+            if (s := _tokenize(tokenizer, c, plan.max_length, counts, plan.trim_loops)) is not None]
     samples: list[dict | None] = [None] * len(kept)
     for batch in length_batches([len(s.input_ids) for _, s in kept], plan.batch_size):
         for i, sample in zip(batch, _forward_batch(model, plan, [kept[i][1] for i in batch])):
@@ -557,7 +608,8 @@ def _nothing_captured(n: int, counts: _Counts, max_length: int) -> DraftsmithErr
 
 def capture_samples(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[Conversation], *,
                     aux_layer_ids: Sequence[int] | None = None, max_length: int = 2048, batch_size: int = 8,
-                    dtype: torch.dtype | str = torch.bfloat16, window: int | None = None) -> Iterator[dict]:
+                    dtype: torch.dtype | str = torch.bfloat16, window: int | None = None,
+                    trim_loops: bool = False) -> Iterator[dict]:
     """Yield captured samples (see the module docstring) without writing anything: the online mode.
 
     Conversations are tokenized with the verifier's chat template (loss mask on
@@ -577,13 +629,14 @@ def capture_samples(model: torch.nn.Module, tokenizer: Any, conversations: Itera
         dtype: dtype of ``aux`` and ``last``.
         window: conversations sorted by length together (memory holds one window
             of samples); default ``8 * batch_size``.
+        trim_loops: cut replies where they fall into a repetition loop (:func:`loop_cut`).
 
     Raises:
         DraftsmithError: empty dataset, no assistant turns, nothing fits ``max_length``,
             bad aux layer ids.
     """
     convs = _conversation_list(conversations, "capture")
-    plan = _plan(model, tokenizer, convs, aux_layer_ids, max_length, batch_size, dtype)
+    plan = _plan(model, tokenizer, convs, aux_layer_ids, max_length, batch_size, dtype, trim_loops)
     if window is not None and window < 1:
         raise DraftsmithError(f"window must be >= 1, got {window}")
     # Validation above runs at the call, not at the first next(): errors surface where they are caused.
@@ -600,7 +653,7 @@ def _iter_samples(model: torch.nn.Module, tokenizer: Any, plan: _Plan, convs: li
         yield from samples
     if not yielded:
         raise _nothing_captured(len(convs), total, plan.max_length)
-    if total.no_reply or total.too_long or total.truncated:
+    if any(total.as_dict().values()):
         log.warning("capture: %s", _dropped_line(total.as_dict()))
 
 
@@ -658,8 +711,8 @@ def _load_manifest_for_resume(out_dir: Path, header: dict[str, Any]) -> dict[str
     if old.get("fingerprint") != header["fingerprint"]:
         raise DraftsmithError(f"{out_dir} holds shards captured from verifier {old.get('fingerprint')}, not "
                               f"{header['fingerprint']}; capture into another directory")
-    for k in _RESUME_KEYS:
-        if old.get(k) != header[k]:
+    for k in _RESUME_KEYS + ("trim_loops",):
+        if old.get(k, False if k == "trim_loops" else None) != header[k]:
             raise DraftsmithError(f"{out_dir} holds a capture with {k}={old.get(k)!r}, not {header[k]!r}; "
                                   "re-run with the same settings or capture into another directory")
     return {e["file"]: e for e in old.get("shards", [])}
@@ -669,7 +722,7 @@ def capture_to_shards(model: torch.nn.Module, tokenizer: Any, conversations: Ite
                       out_dir: Path, *, fingerprint: str, verifier_spec: str,
                       aux_layer_ids: Sequence[int] | None = None, max_length: int = 2048, batch_size: int = 8,
                       samples_per_shard: int = 64, dtype: torch.dtype | str = torch.bfloat16,
-                      progress: bool = True) -> Path:
+                      trim_loops: bool = False, progress: bool = True) -> Path:
     """Capture every conversation into safetensors shards plus a manifest (format: module docstring).
 
     Shard ``k`` holds conversations ``[k*S, (k+1)*S)``; each shard is written
@@ -690,6 +743,7 @@ def capture_to_shards(model: torch.nn.Module, tokenizer: Any, conversations: Ite
         batch_size: sequences per forward.
         samples_per_shard: conversations per shard.
         dtype: dtype of ``aux`` and ``last``.
+        trim_loops: cut replies where they fall into a repetition loop (:func:`loop_cut`).
         progress: show a progress bar with tokens/s.
 
     Returns:
@@ -707,7 +761,7 @@ def capture_to_shards(model: torch.nn.Module, tokenizer: Any, conversations: Ite
     if samples_per_shard < 1:
         raise DraftsmithError(f"--samples-per-shard must be >= 1, got {samples_per_shard}")
     convs = _conversation_list(conversations, "capture")
-    plan = _plan(model, tokenizer, convs, aux_layer_ids, max_length, batch_size, dtype)
+    plan = _plan(model, tokenizer, convs, aux_layer_ids, max_length, batch_size, dtype, trim_loops)
     out_dir = Path(out_dir)
     header = {
         "format": SHARD_FORMAT,
@@ -718,6 +772,7 @@ def capture_to_shards(model: torch.nn.Module, tokenizer: Any, conversations: Ite
         "dtype": _dtype_name(plan.dtype),
         "max_length": plan.max_length,
         "samples_per_shard": samples_per_shard,
+        "trim_loops": trim_loops,
         "config": {"batch_size": batch_size, "max_length_requested": max_length,
                    "num_layers": _text_config(model).num_hidden_layers,
                    "architectures": list(getattr(model.config, "architectures", None) or [type(model).__name__])},
@@ -774,7 +829,7 @@ def capture_to_shards(model: torch.nn.Module, tokenizer: Any, conversations: Ite
     _write_manifest(out_dir, header, shards, total, complete=True)
     if not sum(s["samples"] for s in shards):
         raise _nothing_captured(len(convs), total, plan.max_length)
-    if total.no_reply or total.too_long or total.truncated:
+    if any(total.as_dict().values()):
         log.warning("capture: %s", _dropped_line(total.as_dict()))
     return out_dir
 

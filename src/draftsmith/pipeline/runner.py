@@ -72,11 +72,10 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
         drift = b["summary"]
         report["before"] = drift
 
-    p = cache.run("prompts", {"data": to_dict(cfg.data)}, lambda w: steps.prompts(cfg.data, w))
-    r = cache.run("regenerate", {"fp": fp, "prompts": p["sha"], "data": to_dict(cfg.data)},
+    p = cache.run("prompts", {"data": steps.regeneration_key(cfg.data)}, lambda w: steps.prompts(cfg.data, w))
+    r = cache.run("regenerate", {"fp": fp, "prompts": p["sha"], "data": steps.regeneration_key(cfg.data)},
                   lambda w: steps.regenerate(vd, Path(p["path"]), cfg.data, w))
-    c = cache.run("capture", {"fp": fp, "regenerated": r["sha"], "max_length": cfg.data.max_length,
-                              "dtype": vd.dtype},
+    c = cache.run("capture", {"fp": fp, "regenerated": r["sha"], **steps.capture_key(cfg.data), "dtype": vd.dtype},
                   lambda w: steps.capture(vd, Path(r["path"]), cfg.data, w))
     train_inputs = {"fp": fp, "shards": c["sha"], "train": to_dict(cfg.train), "k": k_export}
     if cfg.train.init_from:

@@ -60,6 +60,22 @@ class Verifier:
         return self._load().fingerprint
 
 
+def regeneration_key(data: DataSection) -> dict[str, Any]:
+    """The data settings the prompts and regeneration steps depend on (capture-only ones left out,
+    so changing them re-runs the capture, not the regeneration)."""
+    d = to_dict(data)
+    d.pop("trim_loops", None)
+    return d
+
+
+def capture_key(data: DataSection) -> dict[str, Any]:
+    """The capture settings its cached output depends on (besides the verifier and the replies)."""
+    key: dict[str, Any] = {"max_length": data.max_length}
+    if data.trim_loops:  # absent when off: caches from before the option stay valid
+        key["trim_loops"] = True
+    return key
+
+
 def prompts(data: DataSection, work: Path) -> dict[str, Any]:
     """Training prompts (train split, evaluation sets excluded) -> ``prompts.jsonl``."""
     from draftsmith.data.prompts import load_prompts
@@ -91,7 +107,8 @@ def capture(v: Verifier, regenerated: Path, data: DataSection, work: Path) -> di
 
     out = capture_to_shards(v.model, v.tokenizer, load_regenerated(regenerated), work / "shards",
                             fingerprint=v.fingerprint, verifier_spec=v.spec, max_length=data.max_length,
-                            batch_size=data.capture_batch_size, samples_per_shard=data.samples_per_shard)
+                            batch_size=data.capture_batch_size, samples_per_shard=data.samples_per_shard,
+                            trim_loops=data.trim_loops)
     manifest = read_manifest(out)
     return {"dir": str(out), "sha": file_digest(out / "manifest.json"),
             "tokens": manifest.get("total_tokens"), "loss_tokens": manifest.get("total_loss_tokens"),
