@@ -50,7 +50,7 @@ class TrainConfig:
     warmup_ratio: float = opt(0.05, "fraction of steps spent warming up linearly")
     min_lr_ratio: float = opt(0.1, "cosine decay ends at lr * min_lr_ratio")
     grad_clip: float = opt(1.0, "gradient norm clip")
-    pack_tokens: int = opt(1024, "positions per packed row (1024 trains 1.4x faster than 2048 on a CPU: attention cost per position grows with the row; see BENCHMARKS.md)")
+    pack_tokens: int = opt(1024, "positions per packed row (each position attends over its row: 1024 trained 1.2-1.4x faster than 2048 on a CPU, BENCHMARKS.md section 7)")
     grad_accum: int = opt(1, "rows per optimizer step (per rank)")
     val_fraction: float = opt(0.05, "fraction of samples held out to pick the best checkpoint")
     eval_every: int = opt(100, "optimizer steps between validations")
