@@ -712,8 +712,9 @@ def _load_manifest_for_resume(out_dir: Path, header: dict[str, Any]) -> dict[str
         raise DraftsmithError(f"{out_dir} holds shards captured from verifier {old.get('fingerprint')}, not "
                               f"{header['fingerprint']}; capture into another directory")
     for k in _RESUME_KEYS + ("trim_loops",):
-        if old.get(k, False if k == "trim_loops" else None) != header[k]:
-            raise DraftsmithError(f"{out_dir} holds a capture with {k}={old.get(k)!r}, not {header[k]!r}; "
+        had = old.get(k, False if k == "trim_loops" else None)  # captures from before the option did not trim
+        if had != header[k]:
+            raise DraftsmithError(f"{out_dir} holds a capture with {k}={had!r}, not {header[k]!r}; "
                                   "re-run with the same settings or capture into another directory")
     return {e["file"]: e for e in old.get("shards", [])}
 

@@ -28,7 +28,7 @@ class DataSection:
     max_prompt_tokens: int = opt(512, "longer prompts are dropped")
     max_length: int = opt(1024, "capture truncates samples to this many tokens")
     capture_batch_size: int = opt(8, "capture forward batch size")
-    trim_loops: bool = opt(True, "capture cuts a reply 32 tokens after it falls into a repetition loop (half "
+    trim_loops: bool = opt(True, "capture cuts a reply 32 tokens after it falls into a repetition loop (70% "
                                  "of SmolLM2-135M's greedy ShareGPT replies loop; trained on the cut data, "
                                  "the draft accepts more on MT-Bench at the same training steps)")
     samples_per_shard: int = opt(64, "conversations per capture shard (an interrupted capture resumes "
