@@ -95,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.check_engine:
         proposer = load_draft(str(args.draft[0]), model)
-        _, sim = teacher_forced(read_draft(str(args.draft[0]), device="cpu", dtype=torch.float32).eval(),
-                                samples[:args.check_engine], args.k)[::2]
+        sim = result["drafts"][str(args.draft[0])]["per_sample"][:args.check_engine]
         real = []
         for s in samples[:args.check_engine]:
             ids = s["input_ids"][: int(s["loss_mask"].int().argmax())].tolist()  # prompt + generation prompt

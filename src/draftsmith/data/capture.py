@@ -70,7 +70,9 @@ MANIFEST = "manifest.json"
 SAMPLE_KEYS = ("input_ids", "loss_mask", "aux", "last")
 _META_KEY = "draftsmith"  # one metadata key: safetensors writes several keys in a random order
 # Manifest fields that must match for a directory to be resumed; the rest may differ.
-_RESUME_KEYS = ("format", "fingerprint", "aux_layer_ids", "hidden_size", "dtype", "max_length", "samples_per_shard")
+_RESUME_KEYS = ("format", "fingerprint", "aux_layer_ids", "hidden_size", "dtype", "max_length", "samples_per_shard",
+                "trim_loops")
+_RESUME_DEFAULTS = {"trim_loops": False}  # what a manifest from before a key existed meant
 # Loop trimming (see loop_cut): an n-gram size, a window that must be this share repeated n-grams,
 # and how many tokens of the loop stay in the sample.
 LOOP_NGRAM, LOOP_WINDOW, LOOP_SHARE, LOOP_KEEP = 4, 32, 0.5, 32
@@ -507,7 +509,7 @@ def _trim_loop(sample: TokenizedConversation) -> TokenizedConversation:
     n = loop_cut([sample.input_ids[i] for i in where])
     if n >= len(where):
         return sample
-    end = where[n - 1] + 1 if n else where[0]
+    end = where[n - 1] + 1  # n >= window + keep here: a loop needs a full window to be seen
     return TokenizedConversation(sample.input_ids[:end], sample.loss_mask[:end])
 
 
@@ -711,8 +713,8 @@ def _load_manifest_for_resume(out_dir: Path, header: dict[str, Any]) -> dict[str
     if old.get("fingerprint") != header["fingerprint"]:
         raise DraftsmithError(f"{out_dir} holds shards captured from verifier {old.get('fingerprint')}, not "
                               f"{header['fingerprint']}; capture into another directory")
-    for k in _RESUME_KEYS + ("trim_loops",):
-        had = old.get(k, False if k == "trim_loops" else None)  # captures from before the option did not trim
+    for k in _RESUME_KEYS:
+        had = old.get(k, _RESUME_DEFAULTS.get(k))
         if had != header[k]:
             raise DraftsmithError(f"{out_dir} holds a capture with {k}={had!r}, not {header[k]!r}; "
                                   "re-run with the same settings or capture into another directory")
