@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -158,3 +159,26 @@ def test_torchrun_two_ranks_identical(tmp_path):
         assert torch.equal(w0[k], w1[k]), k
     # the weights moved (training happened)
     assert not torch.equal(w0["fc.weight"], torch.load(tmp_path / "init.pt")["fc.weight"])
+
+
+def test_train_lm_head_option(tmp_path, samples):
+    """The lm_head stays the verifier's rows unless --train-lm-head; with it, the rows move, the
+    draft on disk carries them, and the option is part of the config hash only when set."""
+    from draftsmith.export import read_draft
+
+    def rows(d):
+        return _verifier().get_output_embeddings().weight[d.draft_to_target].float()
+
+    frozen = _train(_cfg(tmp_path / "a", epochs=1), samples).draft
+    torch.testing.assert_close(frozen.lm_head.weight, rows(frozen))
+    cfg = _cfg(tmp_path / "b", epochs=1, train_lm_head=True)
+    res = _train(cfg, samples)
+    assert (res.draft.lm_head.weight - rows(res.draft)).abs().max() > 1e-3
+    saved = read_draft(Path(cfg.out) / "draft", device="cpu", dtype=torch.float32)
+    assert (saved.lm_head.weight - rows(saved)).abs().max() > 1e-3
+    assert loop_mod._config_hash(cfg) != loop_mod._config_hash(_cfg(tmp_path / "b", epochs=1))
+    # the default hashes as if the option did not exist, so older checkpoints still resume
+    default = loop_mod.to_dict(_cfg(tmp_path / "b", epochs=1))
+    fields = {k: default[k] for k in loop_mod._RESULT_FIELDS}
+    assert loop_mod._config_hash(_cfg(tmp_path / "b", epochs=1)) == \
+        hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]

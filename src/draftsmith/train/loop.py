@@ -57,6 +57,9 @@ class TrainConfig:
     eval_steps: int = opt(5, "draft length k of the simulated validation acceptance")
     checkpoint_every: int = opt(50, "optimizer steps between resumable checkpoints")
     init_from: str | None = opt(None, "warm-start from this draft directory (keeps its vocabulary)")
+    train_lm_head: bool = opt(False, "also train the draft's lm_head (it starts as the verifier's rows and is "
+                              "frozen by default; training it gave +0.03 acceptance length at equal steps on "
+                              "SmolLM2-135M for about a fifth more FLOPs per step, BENCHMARKS.md section 3)")
     num_draft_tokens: int = opt(5, "speculative tokens written into the exported config")
     precision: Literal["auto", "fp32", "bf16"] = opt("auto", "bf16 autocast on CUDA / AMX CPUs, else fp32")
     seed: int = opt(0, "seed for initialisation and data order")
@@ -75,7 +78,9 @@ class TrainConfig:
             raise DraftsmithError(f"invalid value for {', '.join(bad)}")
 
 
-_OPTIONAL_RESULT_FIELDS = ("draft_intermediate_size",)
+# Options added later, with the value that means "as before": hashed only when they differ from it,
+# so checkpoints written before the option existed still resume.
+_OPTIONAL_RESULT_FIELDS = {"draft_intermediate_size": None, "train_lm_head": False}
 # Fields that change the result; the rest (logging cadence, device) may differ on resume.
 _RESULT_FIELDS = ("verifier", "data", "draft_vocab_size", "ttt_steps", "step_weight", "epochs", "max_steps", "lr",
                   "weight_decay", "warmup_ratio", "min_lr_ratio", "grad_clip", "pack_tokens", "grad_accum",
@@ -190,15 +195,16 @@ def target_logits(last: torch.Tensor, rows: torch.Tensor, softcap: float | None)
     return softcap * torch.tanh(logits / softcap) if softcap else logits
 
 
-def train_flops_per_token(cfg: Eagle3Config, steps: int, mean_context: float) -> float:
-    """Approximate FLOPs of one training position (forward 2x, backward 4x params; frozen lm_head 2x+2x)."""
+def train_flops_per_token(cfg: Eagle3Config, steps: int, mean_context: float, train_head: bool = False) -> float:
+    """Approximate FLOPs of one training position (forward 2x, backward 4x params; a frozen lm_head
+    2x forward + 2x input gradient, a trained one 2x more for its weight gradient)."""
     H, Ht, A = cfg.hidden_size, cfg.verifier_hidden_size, len(cfg.aux_layer_ids)
     nh, nkv, hd, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
     layer = 2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * inter
     attn = 2 * mean_context * nh * hd
     head = H * cfg.draft_vocab_size
     fwd_trained = 2 * (A * Ht * H + steps * (layer + attn))
-    return 3 * fwd_trained + steps * 2 * 2 * head + 2 * head  # + the target logits
+    return 3 * fwd_trained + steps * (6 if train_head else 4) * head + 2 * head  # + the target logits
 
 
 def simulated_acceptance(step_logits: list[torch.Tensor], batch: PackedBatch,
@@ -244,8 +250,8 @@ def _split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
 def _config_hash(cfg: TrainConfig) -> str:
     d = to_dict(cfg)
     fields = {k: d[k] for k in _RESULT_FIELDS}
-    for k in _OPTIONAL_RESULT_FIELDS:  # hashed only when set, so runs from before the option still resume
-        if d.get(k) is not None:
+    for k, before in _OPTIONAL_RESULT_FIELDS.items():
+        if d.get(k, before) != before:
             fields[k] = d[k]
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -289,7 +295,6 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
     # draft: warm start (keeps its vocabulary) or fresh from the verifier
     if cfg.init_from:
         draft = read_draft(cfg.init_from, device="cpu", dtype=torch.float32)
-        draft.lm_head.weight.requires_grad_(False)
         vocab_cov = None
     else:
         counts = token_counts((samples[i] for i in train_idx), verifier.get_output_embeddings().weight.shape[0])
@@ -301,6 +306,7 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
     if aux_layer_ids is not None and list(draft.config.aux_layer_ids) != list(aux_layer_ids):
         raise DraftsmithError(f"the samples hold aux layers {list(aux_layer_ids)} but the draft reads "
                               f"{draft.config.aux_layer_ids}")
+    draft.lm_head.weight.requires_grad_(cfg.train_lm_head)
     draft.config.num_draft_tokens = cfg.num_draft_tokens
     draft.config.verifier_name = draft.config.verifier_name or cfg.verifier
     from draftsmith.models.eagle3 import Eagle3Proposer
@@ -411,7 +417,7 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
     t_start = time.perf_counter()
     tokens_seen = 0
     mean_ctx = cfg.pack_tokens / 4
-    flops_tok = train_flops_per_token(draft.config, cfg.ttt_steps, mean_ctx)
+    flops_tok = train_flops_per_token(draft.config, cfg.ttt_steps, mean_ctx, cfg.train_lm_head)
     last_metrics: dict[str, Any] = {}
     try:
         while step < total_steps:
