@@ -58,8 +58,9 @@ class TrainConfig:
     checkpoint_every: int = opt(50, "optimizer steps between resumable checkpoints")
     init_from: str | None = opt(None, "warm-start from this draft directory (keeps its vocabulary)")
     train_lm_head: bool = opt(False, "also train the draft's lm_head (it starts as the verifier's rows and is "
-                              "frozen by default; training it gave +0.03 acceptance length at equal steps on "
-                              "SmolLM2-135M for about a fifth more FLOPs per step, BENCHMARKS.md section 3)")
+                              "frozen by default). On SmolLM2-135M it gave +0.03 acceptance length at equal "
+                              "steps but costs 1.19x the FLOPs per step, and the frozen head given as many "
+                              "FLOPs did better (BENCHMARKS.md section 3)")
     num_draft_tokens: int = opt(5, "speculative tokens written into the exported config")
     precision: Literal["auto", "fp32", "bf16"] = opt("auto", "bf16 autocast on CUDA / AMX CPUs, else fp32")
     seed: int = opt(0, "seed for initialisation and data order")
