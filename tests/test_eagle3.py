@@ -25,11 +25,14 @@ def _draft(verifier, vd=None, seed=0, **flags):
 
 @pytest.mark.parametrize("flags", [{}, {"norm_before_residual": False}, {"norm_output": True},
                                    {"norm_before_fc": True}, {"fc_norm": True}])
-def test_ttt_matches_cached_chain(flags):
-    """Step j of the TTT unroll at position t == the j-th cached draft step from t."""
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_ttt_matches_cached_chain(flags, chunk):
+    """Step j of the TTT unroll at position t == the j-th cached draft step from t
+    (attention in one block, and in query blocks of 4, 4, 2)."""
     torch.manual_seed(0)
     verifier = tiny_model("llama")
     d = _draft(verifier, **flags)
+    d.ttt_attn_chunk = chunk
     L, steps, A, H = 10, 3, 3, 64
     aux = torch.randn(1, L, A * H)
     ids = torch.randint(0, 128, (1, L + steps))  # ids[t] = x_{t+1}
@@ -48,10 +51,12 @@ def test_ttt_matches_cached_chain(flags):
                 torch.testing.assert_close(logits[0, -1], ttt[j][0, t], atol=1e-5, rtol=1e-5)
 
 
-def test_ttt_document_mask_isolates_documents():
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_ttt_document_mask_isolates_documents(chunk):
     """Packed documents do not see each other: doc 2's logits equal a run on doc 2 alone."""
     torch.manual_seed(1)
     d = _draft(tiny_model("llama"))
+    d.ttt_attn_chunk = chunk
     aux, ids = torch.randn(1, 9, 192), torch.randint(0, 128, (1, 9))
     doc = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 1])
     pos = torch.tensor([[1, 2, 3, 4, 1, 2, 3, 4, 5]])
@@ -61,6 +66,32 @@ def test_ttt_document_mask_isolates_documents():
         alone = d.forward_ttt(aux[:, 4:], ids[:, 4:], pos[:, 4:], torch.ones(5, 5, dtype=torch.bool).tril()[None], 2)
     torch.testing.assert_close(packed[0][:, 4:], alone[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(packed[1][:, 4:8], alone[1][:, :4], atol=1e-5, rtol=1e-5)
+
+
+def test_ttt_attention_blocks_match_one_block_with_gradients():
+    """Blocked TTT attention (what training runs) == one [L, (j+1)L] SDPA, values and gradients,
+    on a packed row of three documents whose length is no multiple of the block."""
+    torch.manual_seed(2)
+    d = _draft(tiny_model("llama")).train()
+    L = 23
+    aux, ids = torch.randn(1, L, 192), torch.randint(0, 128, (1, L))
+    doc = torch.tensor([0] * 7 + [1] * 11 + [2] * 5)
+    pos = torch.cat([torch.arange(1, 8), torch.arange(1, 12), torch.arange(1, 6)])[None]
+    mask = ((doc[:, None] == doc[None, :]) & torch.ones(L, L, dtype=torch.bool).tril())[None]
+    weights = torch.randn(4, 1, L, 128)
+    results = []
+    for chunk in (0, 5, 8):
+        d.ttt_attn_chunk = chunk
+        d.zero_grad()
+        logits = d.forward_ttt(aux, ids, pos, mask, 4)
+        sum((w * x).sum() for w, x in zip(weights, logits)).backward()
+        results.append((torch.stack(logits), {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}))
+    ref_logits, ref_grads = results[0]
+    assert len(ref_grads) > 5
+    for logits, grads in results[1:]:
+        torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+        for n, g in ref_grads.items():
+            torch.testing.assert_close(grads[n], g, atol=1e-4 * float(g.abs().max()), rtol=1e-3)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])

@@ -256,6 +256,9 @@ class Eagle3Draft(nn.Module):
 
         self.rotary_emb = LlamaRotaryEmbedding(cfg.rope_config())
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        # Queries per attention block in the TTT unroll (0: one block of all L). Only speed
+        # depends on it (benchmarks/train.py --attn-chunk); results agree to rounding.
+        self.ttt_attn_chunk = 256
 
     # ------------------------------------------------------------------ building blocks
     def set_vocab(self, draft_to_target: torch.Tensor) -> None:
@@ -315,17 +318,26 @@ class Eagle3Draft(nn.Module):
         values: list[torch.Tensor] = []
         B, L = input_ids.shape
         visible0 = attn_mask[:, None]  # [B, 1, L, L]
-        diagonal = torch.eye(L, dtype=torch.bool, device=attn_mask.device).expand(B, 1, L, L)
+        chunk = min(L, self.ttt_attn_chunk or L)
+        diagonal = torch.eye(chunk, dtype=torch.bool, device=attn_mask.device).expand(B, 1, chunk, chunk)
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # Step j's query at t sees step-0 keys s <= t (same document) and, from every
             # later step i <= j, only its own position t: the chain it would draft at inference.
-            # One fused SDPA over [K_0 | K_1 | ... | K_j] with that mask (memory-efficient).
+            # One SDPA over [K_0 | K_1 | ... | K_j] with that mask per block of C queries: a block
+            # needs only the step-0 keys up to its end and, of every later step, its own C keys.
+            # Exact; it skips the all-masked blocks a single [L, (j+1)L] SDPA would compute.
             keys.append(_repeat_kv(k, rep))
             values.append(_repeat_kv(v, rep))
-            mask = torch.cat([visible0] + [diagonal] * (len(keys) - 1), dim=-1)  # [B, 1, L, (j+1)L]
-            out = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
-                                                 scale=self.scale)
+            j, C = len(keys) - 1, chunk
+            outs = []
+            for a in range(0, L, C):
+                b = min(a + C, L)
+                mask = torch.cat([visible0[..., a:b, :b]] + [diagonal[..., :b - a, :b - a]] * j, dim=-1)
+                kk = torch.cat([keys[0][:, :, :b]] + [x[:, :, a:b] for x in keys[1:]], 2)
+                vv = torch.cat([values[0][:, :, :b]] + [x[:, :, a:b] for x in values[1:]], 2)
+                outs.append(F.scaled_dot_product_attention(q[:, :, a:b], kk, vv, attn_mask=mask, scale=self.scale))
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
             return out.transpose(1, 2).reshape(B, L, -1)
 
         logits = []

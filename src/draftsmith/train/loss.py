@@ -55,22 +55,31 @@ def ttt_loss(step_logits: list[torch.Tensor], target_logits: torch.Tensor, next_
         The scalar loss and per-step statistics (accuracy = draft argmax equals the
         verifier's token, i.e. greedy acceptance under teacher forcing).
     """
-    total = step_logits[0].new_zeros(())
+    Vd = target_logits.shape[-1]
+    with torch.no_grad():  # the verifier side once for all steps: step j reads it at t + j
+        lp = target_logits.float().log_softmax(-1).reshape(-1, Vd)
+        p = lp.exp()
+        p_log_p = (p * lp).sum(-1)  # KL(p || q) = sum p log p - sum p log q
+    nxt = next_tokens.reshape(-1)
+    total = step_logits[0].new_zeros((), dtype=torch.float32)
     stats = StepStats([], [], [])
     for j, logits in enumerate(step_logits):
-        m = step_mask(mask, doc, j)
-        n = int(m.sum())
+        # Valid positions as flat indices; a valid step-j position p has its target at p + j
+        # in the same row (step_mask keeps p + j inside p's document).
+        idx = step_mask(mask, doc, j).reshape(-1).nonzero().squeeze(1)
+        n = idx.numel()
         stats.count.append(n)
         if n == 0:
             stats.loss.append(0.0)
             stats.correct.append(0)
             continue
-        lq = logits[m].float().log_softmax(-1)  # [n, Vd]
-        lp = shift_left(target_logits, j)[m].float().log_softmax(-1)
-        kl = (lp.exp() * (lp - lq)).sum(-1).sum()
+        sel = logits.reshape(-1, Vd).index_select(0, idx)
+        lq = sel.float().log_softmax(-1)  # [n, Vd]
+        t = idx + j
+        kl = p_log_p.index_select(0, t).sum() - (p.index_select(0, t) * lq).sum()
         total = total + step_weights[j] * kl / n
         with torch.no_grad():
             guess = draft_to_target[lq.argmax(-1)]
-            stats.correct.append(int((guess == shift_left(next_tokens, j)[m]).sum()))
+            stats.correct.append(int((guess == nxt.index_select(0, t)).sum()))
         stats.loss.append(float(kl.detach()))
     return total, stats
