@@ -54,6 +54,14 @@ def train_step_seconds(draft: Eagle3Draft, opt: torch.optim.Optimizer, L: int, s
     return time.perf_counter() - t
 
 
+def smollm2_135m_config():
+    """A verifier config shaped like SmolLM2-135M (no weights needed to time the draft)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                       num_key_value_heads=3, vocab_size=49152, head_dim=64)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pack-tokens", type=int, default=1024)
@@ -62,10 +70,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    from transformers import LlamaConfig
-
-    verifier_cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                               num_key_value_heads=3, vocab_size=49152, head_dim=64)
+    verifier_cfg = smollm2_135m_config()
     results = []
     for vd in args.draft_vocab_size:
         for precision in ("fp32", "bf16"):

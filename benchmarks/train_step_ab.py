@@ -30,6 +30,7 @@ import torch
 
 from draftsmith.models.eagle3 import Eagle3Config, Eagle3Draft
 from draftsmith.train.loss import StepStats, shift_left, step_mask, ttt_loss
+from train import smollm2_135m_config  # benchmarks/train.py (this script's directory is on sys.path)
 
 
 def loss_before(step_logits, target_logits, next_tokens, mask, doc, draft_to_target, step_weights):
@@ -60,10 +61,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    from transformers import LlamaConfig
-
-    vcfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                       num_key_value_heads=3, vocab_size=49152, head_dim=64)
+    vcfg = smollm2_135m_config()
     L, Vd = args.pack_tokens, args.draft_vocab_size
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
