@@ -85,7 +85,7 @@ def main() -> None:
         t = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = draft(aux, ids, pos, attn, steps)
-            loss, _ = loss_fn(logits, target, nxt, valid[None].squeeze(0), doc[None], draft.draft_to_target,
+            loss, _ = loss_fn(logits, target, nxt, valid, doc[None], draft.draft_to_target,
                               [0.8 ** j for j in range(steps)])
         loss.backward()
         opt.step()
