@@ -100,3 +100,14 @@ def test_help_lists_every_command(capsys):
     out = capsys.readouterr().out
     for cmd in ("generate", "data", "train", "pipeline", "refresh", "bench", "export"):
         assert cmd in out
+
+
+@pytest.mark.parametrize("cmd", [["generate"], ["data"], ["train"], ["pipeline", "run"], ["refresh"], ["bench"],
+                                 ["export"], ["kfp"]])
+def test_every_command_help_renders(cmd, capsys):
+    """`--help` of every command prints its options (a literal % in a help text once crashed `data --help`)."""
+    with pytest.raises(SystemExit) as e:
+        main(cmd + ["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: ") and "--" in out

@@ -158,7 +158,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             help_text += " (required)"
         elif default not in (None, False, [], ()):
             help_text += f" (default: {default})"
-        kw: dict[str, Any] = {"help": help_text, "default": argparse.SUPPRESS}
+        # argparse %-formats help texts: a literal "70% of" must reach it as "70%% of"
+        kw: dict[str, Any] = {"help": help_text.replace("%", "%%"), "default": argparse.SUPPRESS}
         if meta.get("metavar"):
             kw["metavar"] = meta["metavar"]
         if get_origin(tp) is Literal:
