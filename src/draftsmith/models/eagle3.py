@@ -329,16 +329,15 @@ class Eagle3Draft(nn.Module):
             # Exact; it skips the all-masked blocks a single [L, (j+1)L] SDPA would compute.
             keys.append(_repeat_kv(k, rep))
             values.append(_repeat_kv(v, rep))
-            j, C = len(keys) - 1, chunk
+            j = len(keys) - 1
             outs = []
-            for a in range(0, L, C):
-                b = min(a + C, L)
+            for a in range(0, L, chunk):
+                b = min(a + chunk, L)
                 mask = torch.cat([visible0[..., a:b, :b]] + [diagonal[..., :b - a, :b - a]] * j, dim=-1)
                 kk = torch.cat([keys[0][:, :, :b]] + [x[:, :, a:b] for x in keys[1:]], 2)
                 vv = torch.cat([values[0][:, :, :b]] + [x[:, :, a:b] for x in values[1:]], 2)
                 outs.append(F.scaled_dot_product_attention(q[:, :, a:b], kk, vv, attn_mask=mask, scale=self.scale))
-            out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
-            return out.transpose(1, 2).reshape(B, L, -1)
+            return torch.cat(outs, 2).transpose(1, 2).reshape(B, L, -1)
 
         logits = []
         ids = input_ids

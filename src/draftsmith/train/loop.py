@@ -24,7 +24,7 @@ from draftsmith.config import opt, to_dict
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.eagle3 import Eagle3Config, Eagle3Draft
 from draftsmith.models.vocab import coverage, select_vocab, token_counts
-from draftsmith.train.loss import step_mask, ttt_loss
+from draftsmith.train.loss import shift_left, step_mask, ttt_loss
 from draftsmith.train.packing import PackedBatch, collate, pack_rows
 from draftsmith.utils import atomic_write_bytes, atomic_write_json, command_line, environment_info
 
@@ -221,8 +221,6 @@ def simulated_acceptance(step_logits: list[torch.Tensor], batch: PackedBatch,
     accepted = torch.zeros(K, dtype=torch.long)
     for j, logits in enumerate(step_logits):
         guess = draft_to_target[logits.argmax(-1)]
-        from draftsmith.train.loss import shift_left
-
         ok = ok & (guess == shift_left(batch.next_tokens, j, fill=-1))
         accepted[j] = int((ok & full).sum())
     return accepted, full.sum().cpu()
