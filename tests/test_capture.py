@@ -272,6 +272,40 @@ def test_foreign_shard_is_refused(tok, tmp_path):
         C.read_shard(shard, FP)
 
 
+def test_training_on_several_capture_directories(tok, tmp_path):
+    """`draftsmith train --data A B` trains on both; the draft reads the layers the shards hold."""
+    from draftsmith.export import read_draft
+    from draftsmith.train.loop import TrainConfig, train
+
+    m, convs = model(), chats()
+    layers = [0, 2, 3]  # not the default [2, n//2, n-3] = [2, 2, 1] of a 4-layer verifier
+    capture(m, tok, convs[:4], tmp_path / "a", aux_layer_ids=layers)
+    capture(m, tok, convs[4:], tmp_path / "b", aux_layer_ids=layers)
+    samples, held = C.load_capture_dirs([tmp_path / "a", tmp_path / "b"], FP)
+    assert held == layers and [s["input_ids"].tolist() for s in samples] == \
+        [s["input_ids"].tolist() for d in "ab" for s in C.load_shards(tmp_path / d, FP)]
+    assert len(samples) == len(convs)
+
+    def run(dirs, out):
+        cfg = TrainConfig(verifier="tiny", data=[str(d) for d in dirs], out=str(tmp_path / out), draft_vocab_size=64,
+                          pack_tokens=64, max_steps=2, val_fraction=0.0, precision="fp32", ttt_steps=2,
+                          eval_every=1000, checkpoint_every=1000)
+        return train(cfg, verifier=m, fingerprint=FP, progress=False)
+
+    res = run([tmp_path / "a", tmp_path / "b"], "run")
+    assert json.loads((tmp_path / "run" / "train_config.json").read_text())["num_samples"] == len(convs)
+    assert read_draft(res.draft_dir).config.aux_layer_ids == layers
+    # refused: other layers, the same directory twice, another verifier's capture
+    capture(m, tok, convs[4:], tmp_path / "c", aux_layer_ids=[1, 2, 3])
+    with pytest.raises(DraftsmithError, match=r"different verifier layers.*aux layers \[1, 2, 3\]"):
+        run([tmp_path / "a", tmp_path / "c"], "run2")
+    with pytest.raises(DraftsmithError, match="named more than once"):
+        run([tmp_path / "a", tmp_path / "a"], "run3")
+    capture(m, tok, convs[4:], tmp_path / "d", fingerprint="0badc0de0badc0de", aux_layer_ids=layers)
+    with pytest.raises(DraftsmithError, match="not " + FP):
+        run([tmp_path / "a", tmp_path / "d"], "run4")
+
+
 def test_corrupt_shard_is_refused_with_its_name(tok, tmp_path, monkeypatch):
     m, convs = model(), chats()
     capture(m, tok, convs, tmp_path / "full")

@@ -265,7 +265,7 @@ def test_trainjob_cli_layers_flags_over_config_file(tmp_path):
     default_ttt = TrainConfig.__dataclass_fields__["ttt_steps"].default
     assert full.ttt_steps != default_ttt  # the preset sets it, so it shows whether the preset travelled
     assert cfg.lr == 5e-4 and cfg.ttt_steps == full.ttt_steps  # the file (and its preset) under it
-    assert (cfg.verifier, cfg.data, cfg.out) == ("/data/v", "/data/shards", "/data/draft")
+    assert (cfg.verifier, cfg.data, cfg.out) == ("/data/v", ["/data/shards"], "/data/draft")
     assert main(["kfp", "trainjob", "--verifier", "v", "--data", "d", "--name", "Bad_Name",
                  "--out", str(tmp_path / "x.yaml")]) == EXIT_ERROR
     assert main(["kfp", "trainjob", "--verifier", "v", "--data", "d", "--num-nodes", "0",

@@ -182,3 +182,16 @@ def test_train_lm_head_option(tmp_path, samples):
     fields = {k: default[k] for k in loop_mod._RESULT_FIELDS}
     assert loop_mod._config_hash(_cfg(tmp_path / "b", epochs=1)) == \
         hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def test_one_data_directory_hashes_as_before_several_were_allowed():
+    """Checkpoints written when --data took one directory still resume: the config hash of a
+    single directory is the one that version wrote (train_config.json of a run made then)."""
+    written_then = "507e5c2b8f20bc0c"
+    cfg = dict(verifier="smollm2-135m", data="runs/full-trimmed/shards", out="runs/more-a-same", ttt_steps=5,
+               max_steps=300, lr=3e-4, eval_every=300, checkpoint_every=100,
+               init_from="runs/full-trimmed/train-long4/draft")
+    assert loop_mod._config_hash(TrainConfig(**cfg)) == written_then
+    assert loop_mod._config_hash(TrainConfig(**{**cfg, "data": ["runs/full-trimmed/shards"]})) == written_then
+    two = TrainConfig(**{**cfg, "data": ["runs/full-trimmed/shards", "runs/fresh-1000/shards"]})
+    assert loop_mod._config_hash(two) != written_then

@@ -957,6 +957,34 @@ def load_shards(directory: Path, expected_fingerprint: str | None = None) -> Ite
         yield from read_shard(directory / entry["file"], manifest["fingerprint"], entry["sha256"])
 
 
+def load_capture_dirs(directories: Sequence[Path | str],
+                      expected_fingerprint: str | None = None) -> tuple[list[dict], list[int]]:
+    """The samples of one or more capture directories, in order, and the verifier layers they hold.
+
+    Several directories are trained on together: an earlier capture plus fresh replies, say
+    (fresh regenerated replies beat another pass over old ones, BENCHMARKS.md section 3).
+
+    Raises:
+        DraftsmithError: no directory, one named twice, any that :func:`load_shards` refuses,
+            or directories captured at different layers or hidden sizes (named).
+    """
+    dirs = [Path(d) for d in directories]
+    if not dirs:
+        raise DraftsmithError("no capture directory given")
+    resolved = [d.resolve() for d in dirs]
+    twice = sorted({str(d) for d, r in zip(dirs, resolved) if resolved.count(r) > 1})
+    if twice:
+        raise DraftsmithError(f"capture directory named more than once: {', '.join(twice)}")
+    layouts = {d: (list(m["aux_layer_ids"]), int(m["hidden_size"]))
+               for d, m in ((d, read_manifest(d)) for d in dirs)}
+    if len({json.dumps(v) for v in layouts.values()}) > 1:
+        raise DraftsmithError("capture directories hold different verifier layers, so they cannot be trained on "
+                              "together: " + "; ".join(f"{d}: aux layers {a}, hidden size {h}"
+                                                       for d, (a, h) in layouts.items()))
+    samples = [s for d in dirs for s in load_shards(d, expected_fingerprint)]
+    return samples, layouts[dirs[0]][0]
+
+
 class ShardDataset(torch.utils.data.Dataset):
     """Random access to the samples of a capture directory (a ``torch`` Dataset).
 

@@ -36,7 +36,9 @@ class TrainConfig:
     """Train an EAGLE-3 draft on hidden states captured from the verifier."""
 
     verifier: str = opt(help="verifier the data was captured from: HF dir, .gguf file, or alias")
-    data: str | None = opt(None, "directory of captured shards (from `draftsmith data`)")
+    data: list[str] | None = opt(None, "directory of captured shards (from `draftsmith data`); several are "
+                                 "trained on together, e.g. an earlier capture plus fresh replies "
+                                 "(benchmarks/fresh_data.py)")
     out: str = opt("runs/draft", "output directory: checkpoints, metrics.jsonl, the draft")
     draft_vocab_size: int = opt(32000, "draft vocabulary size (capped at the verifier's)")
     draft_intermediate_size: int | None = opt(None, "MLP width of the draft's decoder layer (default: the "
@@ -67,6 +69,8 @@ class TrainConfig:
     device: str = opt("auto", "auto, cpu, cuda, cuda:N")
 
     def __post_init__(self) -> None:
+        if isinstance(self.data, (str, Path)):  # one directory, as the pipeline and older callers pass it
+            self.data = [str(self.data)]
         if not 1 <= self.ttt_steps <= 7:
             raise DraftsmithError(f"--ttt-steps must be in 1..7, got {self.ttt_steps}")
         checks = {"--lr": self.lr > 0, "--epochs": self.epochs > 0, "--pack-tokens": self.pack_tokens >= 8,
@@ -249,6 +253,8 @@ def _split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
 def _config_hash(cfg: TrainConfig) -> str:
     d = to_dict(cfg)
     fields = {k: d[k] for k in _RESULT_FIELDS}
+    if isinstance(fields["data"], list) and len(fields["data"]) == 1:
+        fields["data"] = fields["data"][0]  # one directory hashes as before lists: its checkpoints still resume
     for k, before in _OPTIONAL_RESULT_FIELDS.items():
         if d.get(k, before) != before:
             fields[k] = d[k]
@@ -263,7 +269,7 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
 
     Args:
         cfg: the training configuration.
-        samples: captured samples (online mode); default: read ``cfg.data`` shards.
+        samples: captured samples (online mode); default: the shards of every ``cfg.data`` directory.
         verifier: the loaded verifier (default: loaded from ``cfg.verifier``).
         fingerprint: the verifier's fingerprint (default: computed on load).
         aux_layer_ids: verifier layers the samples' ``aux`` holds (default: the shards'
@@ -282,9 +288,14 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
     if samples is None:
         if not cfg.data:
             raise DraftsmithError("--data is required (a directory of captured shards)")
-        from draftsmith.data.capture import load_shards
+        from draftsmith.data.capture import load_capture_dirs
 
-        samples = list(load_shards(Path(cfg.data), fingerprint))
+        samples, captured_layers = load_capture_dirs(cfg.data, fingerprint)
+        if aux_layer_ids is None:  # the draft must read the layers the shards hold, not the default ones
+            aux_layer_ids = captured_layers
+        elif list(aux_layer_ids) != captured_layers:
+            raise DraftsmithError(f"aux layers {list(aux_layer_ids)} were asked for but {cfg.data} hold "
+                                  f"{captured_layers}")
     if not samples:
         raise DraftsmithError("no training samples")
     train_idx, val_idx = _split(len(samples), cfg.val_fraction, cfg.seed)
