@@ -6,6 +6,9 @@ draft is limited by data (BENCHMARKS.md section 3), this script answers the *nex
 conversations with the verifier, exactly as `draftsmith data` does (greedy, same length and
 prompt limits, loop trimming), and captures them into shards that `draftsmith train --data`
 takes next to the old ones. Resumable: regeneration and capture continue where they stopped.
+The CLI does the same since: `draftsmith data --skip-conversations 3000 --num-conversations 1000
+--max-new-tokens 320 --max-prompt-tokens 384 --max-length 768 --batch-size 128` (the recorded runs
+used this script).
 
     PYTHONPATH=src python benchmarks/fresh_data.py --skip 3000 --count 1000 --out runs/fresh-1000
 """

@@ -207,3 +207,31 @@ def test_data_and_train_commands(setup, tmp_path):
                "--val-fraction", "0.2", "--device", "cpu", "--precision", "fp32"])
     assert rc == 0 and (tmp_path / "t" / "draft" / "config.json").is_file()
     assert json.loads((tmp_path / "t" / "train_config.json").read_text())["verifier_fingerprint"]
+
+
+def test_skip_conversations_gives_the_next_prompts_of_the_train_split(tmp_path):
+    """`--skip-conversations N` answers the conversations after the first N: fresh data for a run
+    that already used them, none in common; 0 keeps the cache keys of runs made before the option."""
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.pipeline import steps
+    from draftsmith.pipeline.config import DataSection
+
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"question {i}: why is {i * 7} odd or even?"}) + "\n"
+                           for i in range(60)))
+
+    def ids(**kw) -> list[str]:
+        work = tmp_path / f"w{len(list(tmp_path.iterdir()))}"
+        work.mkdir()
+        res = steps.prompts(DataSection(dataset=str(src), **kw), work)
+        return [json.loads(line)["id"] for line in open(res["path"])]
+
+    first, after = ids(num_conversations=10), ids(num_conversations=10, skip_conversations=10)
+    assert len(after) == 10 and not set(first) & set(after)
+    assert first + after == ids(num_conversations=20)
+    assert "skip_conversations" not in steps.regeneration_key(DataSection())
+    assert steps.regeneration_key(DataSection(skip_conversations=10))["skip_conversations"] == 10
+    with pytest.raises(DraftsmithError, match="leaves no prompt: the train split .* has [0-9]+ conversations"):
+        ids(skip_conversations=1000)
+    with pytest.raises(DraftsmithError, match="skip_conversations must be >= 0"):
+        DataSection(skip_conversations=-1)

@@ -20,7 +20,12 @@ class DataSection:
     """Prompts and the verifier's regenerated responses."""
 
     dataset: str = opt("sharegpt", "training prompts: sharegpt, a JSONL file or a datasets directory")
-    num_conversations: int = opt(256, "conversations to regenerate (the first N of the train split)")
+    num_conversations: int = opt(256, "conversations to regenerate (the first N of the train split, after "
+                                      "--skip-conversations)")
+    skip_conversations: int = opt(0, "skip the train split's first N conversations, e.g. those an earlier run "
+                                     "regenerated: fresh replies to train on next to it (`draftsmith train --data "
+                                     "OLD/shards NEW/shards`; fresh replies gained 3.4x as much as another pass "
+                                     "over old ones, BENCHMARKS.md section 3)")
     max_new_tokens: int = opt(256, "longest regenerated response")
     temperature: float = opt(0.0, "regeneration temperature (0: the verifier's greedy outputs)")
     batch_size: int = opt(64, "regeneration batch size (a decode step costs about the same at 16 or 128 rows "
@@ -42,6 +47,8 @@ class DataSection:
                      "capture_batch_size", "samples_per_shard"):
             if getattr(self, name) < 1:
                 raise DraftsmithError(f"data.{name} must be >= 1")
+        if self.skip_conversations < 0:
+            raise DraftsmithError("data.skip_conversations must be >= 0")
 
 
 @dataclass

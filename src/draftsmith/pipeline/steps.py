@@ -65,6 +65,8 @@ def regeneration_key(data: DataSection) -> dict[str, Any]:
     so changing them re-runs the capture, not the regeneration)."""
     d = to_dict(data)
     d.pop("trim_loops", None)
+    if not d.get("skip_conversations"):  # absent when 0: caches from before the option stay valid
+        d.pop("skip_conversations", None)
     return d
 
 
@@ -80,7 +82,12 @@ def prompts(data: DataSection, work: Path) -> dict[str, Any]:
     """Training prompts (train split, evaluation sets excluded) -> ``prompts.jsonl``."""
     from draftsmith.data.prompts import load_prompts
 
-    convs = load_prompts(data.dataset, split="train", limit=data.num_conversations, seed=data.seed)
+    skip = data.skip_conversations
+    loaded = load_prompts(data.dataset, split="train", limit=skip + data.num_conversations, seed=data.seed)
+    convs = loaded[skip:]
+    if not convs:
+        raise DraftsmithError(f"--skip-conversations {skip} leaves no prompt: the train split of "
+                              f"{data.dataset!r} has {len(loaded)} conversations")
     path = work / "prompts.jsonl"
     with open(path, "w") as f:
         for c in convs:
