@@ -38,7 +38,7 @@ class TrainConfig:
     verifier: str = opt(help="verifier the data was captured from: HF dir, .gguf file, or alias")
     data: list[str] | None = opt(None, "directory of captured shards (from `draftsmith data`); several are "
                                  "trained on together, e.g. an earlier capture plus fresh replies "
-                                 "(benchmarks/fresh_data.py)")
+                                 "(`draftsmith data --skip-conversations N`)")
     out: str = opt("runs/draft", "output directory: checkpoints, metrics.jsonl, the draft")
     draft_vocab_size: int = opt(32000, "draft vocabulary size (capped at the verifier's)")
     draft_intermediate_size: int | None = opt(None, "MLP width of the draft's decoder layer (default: the "
