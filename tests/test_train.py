@@ -195,3 +195,56 @@ def test_one_data_directory_hashes_as_before_several_were_allowed():
     assert loop_mod._config_hash(TrainConfig(**{**cfg, "data": ["runs/full-trimmed/shards"]})) == written_then
     two = TrainConfig(**{**cfg, "data": ["runs/full-trimmed/shards", "runs/fresh-1000/shards"]})
     assert loop_mod._config_hash(two) != written_then
+
+
+def test_grow_vocab_by_hand():
+    """Kept ids stay, then the most frequent missing ids join (ties: lower id first)."""
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.models.vocab import grow_vocab
+
+    counts = torch.tensor([0, 5, 3, 0, 9, 1, 5, 0])
+    assert grow_vocab(counts, torch.tensor([0, 3]), 4).tolist() == [0, 1, 3, 4]
+    assert grow_vocab(counts, torch.tensor([0, 3]), 5).tolist() == [0, 1, 3, 4, 6]  # 1 and 6 tie at 5
+    assert grow_vocab(counts, torch.tensor([0, 3]), 2).tolist() == [0, 3]
+    with pytest.raises(DraftsmithError, match="can only be extended"):
+        grow_vocab(counts, torch.tensor([0, 3, 5]), 2)
+
+
+def test_extend_vocab_warm_start(tmp_path, samples):
+    """--extend-vocab grows a warm-started draft's vocabulary: the old tokens keep their logits
+    exactly, the new rows are the verifier's, and the grown draft trains and saves."""
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.export import read_draft
+    from draftsmith.models.vocab import grow_vocab, token_counts
+
+    base = _train(_cfg(tmp_path / "a", epochs=1, draft_vocab_size=40), samples)
+    old = read_draft(Path(base.draft_dir), device="cpu", dtype=torch.float32)
+    counts = token_counts(samples, 128)
+    vocab = grow_vocab(counts, old.draft_to_target, 100)
+    with torch.no_grad():  # as if trained with --train-lm-head: the old rows are not the verifier's
+        old.lm_head.weight.add_(torch.randn_like(old.lm_head.weight))
+    grown = loop_mod.extend_draft_vocab(old, _verifier(), vocab)
+    assert grown.config.draft_vocab_size == 100 and torch.isin(old.draft_to_target, grown.draft_to_target).all()
+    head = _verifier().get_output_embeddings().weight
+    new = ~torch.isin(grown.draft_to_target, old.draft_to_target)
+    assert int(new.sum()) == 60
+    torch.testing.assert_close(grown.lm_head.weight[new], head[grown.draft_to_target[new]].float())
+    h = torch.randn(3, old.config.hidden_size)
+    old_logits = old.head(h)[0]
+    new_logits = grown.head(h)[0]
+    torch.testing.assert_close(new_logits[:, torch.searchsorted(grown.draft_to_target, old.draft_to_target)],
+                               old_logits)
+
+    cfg = _cfg(tmp_path / "b", epochs=1, draft_vocab_size=100, init_from=str(base.draft_dir), extend_vocab=True)
+    res = _train(cfg, samples)
+    saved = read_draft(Path(cfg.out) / "draft", device="cpu", dtype=torch.float32)
+    assert saved.config.draft_vocab_size == 100
+    assert torch.isin(old.draft_to_target, saved.draft_to_target).all()
+    assert res.draft.layers[0].mlp.gate_proj.weight.shape == old.layers[0].mlp.gate_proj.weight.shape
+    # without the option the warm start keeps the old vocabulary, and the option changes the hash
+    kept = _train(_cfg(tmp_path / "c", epochs=1, draft_vocab_size=100, init_from=str(base.draft_dir)), samples)
+    assert kept.draft.config.draft_vocab_size == 40
+    assert loop_mod._config_hash(cfg) != loop_mod._config_hash(
+        _cfg(tmp_path / "b", epochs=1, draft_vocab_size=100, init_from=str(base.draft_dir)))
+    with pytest.raises(DraftsmithError, match="needs --init-from"):
+        _cfg(tmp_path / "d", extend_vocab=True)

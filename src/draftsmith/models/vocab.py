@@ -45,3 +45,20 @@ def coverage(counts: torch.Tensor, selected: torch.Tensor) -> float:
     """Fraction of counted tokens that the selected vocabulary contains."""
     total = int(counts.sum())
     return float(counts[selected].sum()) / total if total else 0.0
+
+
+def grow_vocab(counts: torch.Tensor, keep: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
+    """``keep`` (sorted verifier ids) plus the most frequent ids it lacks, ``draft_vocab_size`` in all.
+
+    For a warm-started draft: the tokens it already predicts stay, and the new data decides
+    which tokens join (ties and unseen fill as in :func:`select_vocab`).
+
+    Raises:
+        DraftsmithError: the new size is smaller than ``keep``.
+    """
+    if draft_vocab_size < keep.numel():
+        raise DraftsmithError(f"--draft-vocab-size {draft_vocab_size} is smaller than the draft's vocabulary "
+                              f"({keep.numel()}); a vocabulary can only be extended")
+    boosted = counts.clone()
+    boosted[keep.to(counts.device)] = int(counts.sum()) + 1  # above every count: kept ids rank first
+    return select_vocab(boosted, draft_vocab_size)
