@@ -306,6 +306,44 @@ def test_training_on_several_capture_directories(tok, tmp_path):
         run([tmp_path / "a", tmp_path / "d"], "run4")
 
 
+def test_vocab_data_chooses_the_vocabulary_from_other_captures(tok, tmp_path):
+    """--vocab-data counts the draft vocabulary over the named captures, not the training data:
+    fresh drafts select from those counts, --extend-vocab grows from them; a foreign capture is refused."""
+    from draftsmith.models.vocab import grow_vocab, select_vocab, token_counts
+    from draftsmith.train.loop import TrainConfig, train
+
+    m, convs = model(), chats()
+    capture(m, tok, convs[:2], tmp_path / "a")
+    capture(m, tok, convs[2:], tmp_path / "b")
+    V = m.get_output_embeddings().weight.shape[0]
+    counts_a = token_counts(C.load_shards(tmp_path / "a", FP), V)
+    counts_ab = counts_a + token_counts(C.load_shards(tmp_path / "b", FP), V)
+
+    def run(out, **kw):
+        cfg = TrainConfig(verifier="tiny", data=[str(tmp_path / "a")], out=str(tmp_path / out), pack_tokens=64,
+                          max_steps=1, val_fraction=0.0, precision="fp32", ttt_steps=2, eval_every=1000,
+                          checkpoint_every=1000, **kw)
+        return train(cfg, verifier=m, fingerprint=FP, progress=False).draft
+
+    size = int((counts_a > 0).sum()) + 4  # a's tokens plus a few: which ones join depends on the counts
+    own = run("own", draft_vocab_size=size)
+    assert own.draft_to_target.tolist() == select_vocab(counts_a, size).tolist()
+    both = run("both", draft_vocab_size=size, vocab_data=[str(tmp_path / "a"), str(tmp_path / "b")])
+    assert both.draft_to_target.tolist() == select_vocab(counts_ab, size).tolist()
+    assert both.draft_to_target.tolist() != own.draft_to_target.tolist()  # the control: b's counts mattered
+    small = run("small", draft_vocab_size=8)
+    from draftsmith.export import save_draft
+
+    save_draft(small, tmp_path / "small-draft", fingerprint=FP)
+    grown = run("grown", draft_vocab_size=size, init_from=str(tmp_path / "small-draft"), extend_vocab=True,
+                vocab_data=[str(tmp_path / "b")])
+    counts_b = counts_ab - counts_a
+    assert grown.draft_to_target.tolist() == grow_vocab(counts_b, small.draft_to_target, size).tolist()
+    capture(m, tok, convs[2:], tmp_path / "foreign", fingerprint="0badc0de0badc0de")
+    with pytest.raises(DraftsmithError, match="not " + FP):
+        run("foreign", draft_vocab_size=size, vocab_data=[str(tmp_path / "foreign")])
+
+
 def test_corrupt_shard_is_refused_with_its_name(tok, tmp_path, monkeypatch):
     m, convs = model(), chats()
     capture(m, tok, convs, tmp_path / "full")

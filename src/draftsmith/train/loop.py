@@ -16,7 +16,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
 import torch
 
@@ -65,6 +65,9 @@ class TrainConfig:
                              "as the verifier's). On SmolLM2-135M the 8192-token vocabulary of the first 3000 "
                              "conversations covered 90.8% of MT-Bench reply tokens, a ceiling on acceptance "
                              "(BENCHMARKS.md section 3)")
+    vocab_data: list[str] | None = opt(None, "capture directories whose reply tokens choose the draft vocabulary "
+                                       "(default: the training samples of --data), e.g. every capture so far "
+                                       "while training on the latest ones")
     train_lm_head: bool = opt(False, "also train the draft's lm_head (it starts as the verifier's rows and is "
                               "frozen by default). On SmolLM2-135M it gave +0.03 acceptance length at equal "
                               "steps but costs 1.19x the FLOPs per step, and the frozen head given as many "
@@ -77,6 +80,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.data, (str, Path)):  # one directory, as the pipeline and older callers pass it
             self.data = [str(self.data)]
+        if isinstance(self.vocab_data, (str, Path)):
+            self.vocab_data = [str(self.vocab_data)]
         if not 1 <= self.ttt_steps <= 7:
             raise DraftsmithError(f"--ttt-steps must be in 1..7, got {self.ttt_steps}")
         checks = {"--lr": self.lr > 0, "--epochs": self.epochs > 0, "--pack-tokens": self.pack_tokens >= 8,
@@ -94,7 +99,8 @@ class TrainConfig:
 
 # Options added later, with the value that means "as before": hashed only when they differ from it,
 # so checkpoints written before the option existed still resume.
-_OPTIONAL_RESULT_FIELDS = {"draft_intermediate_size": None, "train_lm_head": False, "extend_vocab": False}
+_OPTIONAL_RESULT_FIELDS = {"draft_intermediate_size": None, "train_lm_head": False, "extend_vocab": False,
+                           "vocab_data": None}
 # Fields that change the result; the rest (logging cadence, device) may differ on resume.
 _RESULT_FIELDS = ("verifier", "data", "draft_vocab_size", "ttt_steps", "step_weight", "epochs", "max_steps", "lr",
                   "weight_decay", "warmup_ratio", "min_lr_ratio", "grad_clip", "pack_tokens", "grad_accum",
@@ -336,17 +342,24 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
     if not train_idx:
         raise DraftsmithError("no training samples left after the validation split")
 
-    # draft: warm start (keeps its vocabulary) or fresh from the verifier
+    def vocab_samples() -> Iterable[dict]:
+        if not cfg.vocab_data:
+            return (samples[i] for i in train_idx)
+        from draftsmith.data.capture import load_shards
+
+        return (s for d in cfg.vocab_data for s in load_shards(Path(d), fingerprint))  # one shard in memory
+
+    # draft: warm start (keeps its vocabulary unless extend_vocab) or fresh from the verifier
     if cfg.init_from:
         draft = read_draft(cfg.init_from, device="cpu", dtype=torch.float32)
         vocab_cov = None
         if cfg.extend_vocab:
-            counts = token_counts((samples[i] for i in train_idx), verifier.get_output_embeddings().weight.shape[0])
+            counts = token_counts(vocab_samples(), verifier.get_output_embeddings().weight.shape[0])
             draft = extend_draft_vocab(draft, verifier, grow_vocab(counts, draft.draft_to_target,
                                                                    min(cfg.draft_vocab_size, counts.shape[0])))
             vocab_cov = coverage(counts, draft.draft_to_target)
     else:
-        counts = token_counts((samples[i] for i in train_idx), verifier.get_output_embeddings().weight.shape[0])
+        counts = token_counts(vocab_samples(), verifier.get_output_embeddings().weight.shape[0])
         vocab = select_vocab(counts, min(cfg.draft_vocab_size, counts.shape[0]))
         vocab_cov = coverage(counts, vocab)
         width = {"intermediate_size": cfg.draft_intermediate_size} if cfg.draft_intermediate_size else {}
