@@ -29,22 +29,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def loss_token_counts(directory: Path, vocab_size: int):
-    """Token counts over loss-masked positions of a shard directory, reading ids and masks only."""
-    import torch
-    from safetensors import safe_open
-
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for f in sorted(Path(directory).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            for key in h.keys():
-                if key.endswith(".input_ids"):
-                    ids = h.get_tensor(key)
-                    mask = h.get_tensor(key[: -len("input_ids")] + "loss_mask").bool()
-                    counts += torch.bincount(ids[mask], minlength=vocab_size)
-    return counts
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--verifier", default="smollm2-135m")
@@ -52,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", type=Path, nargs="+", required=True, help="training shard directories (the counts)")
     ap.add_argument("--cache", type=Path, required=True, help="heldout_acceptance.py's cache (replies + states)")
     ap.add_argument("--sizes", type=int, nargs="+", default=[16384, 32000])
+    ap.add_argument("--vocab-of", type=Path, default=None,
+                    help="also score the draft grown to exactly this other draft's vocabulary")
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None, help="JSON with every number")
@@ -62,23 +48,28 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.data.capture import load_shards
     from draftsmith.export import read_draft
     from draftsmith.models.verifier import load_verifier
-    from draftsmith.models.vocab import coverage, grow_vocab
+    from draftsmith.models.vocab import coverage, grow_vocab, token_counts
     from draftsmith.train.loop import extend_draft_vocab
     from heldout_acceptance import teacher_forced
 
     torch.set_num_threads(args.threads)
     model, _, fingerprint = load_verifier(args.verifier, dtype="float32")
     V = model.get_output_embeddings().weight.shape[0]
-    train_counts = sum(loss_token_counts(d, V) for d in args.data)
-    held_counts = loss_token_counts(args.cache / "shards", V)
+    train_counts = sum(token_counts(load_shards(d, fingerprint), V) for d in args.data)
+    held_counts = token_counts(load_shards(args.cache / "shards", fingerprint), V)
     samples = list(load_shards(args.cache / "shards", fingerprint))
     draft = read_draft(str(args.draft), device="cpu", dtype=torch.float32).eval()
     rows = []
-    for size in [draft.config.draft_vocab_size] + args.sizes:
-        vocab = grow_vocab(train_counts, draft.draft_to_target, size)
+    vocabs = [grow_vocab(train_counts, draft.draft_to_target, size)
+              for size in [draft.config.draft_vocab_size] + args.sizes]
+    if args.vocab_of:
+        vocabs.append(read_draft(str(args.vocab_of), device="cpu", dtype=torch.float32).draft_to_target)
+    for vocab in vocabs:
+        size = int(vocab.numel())
         grown = extend_draft_vocab(draft, model, vocab).eval()
         per_pos, n, _ = teacher_forced(grown, samples, args.k)
-        row = {"draft_vocab_size": size, "train_coverage": coverage(train_counts, vocab),
+        row = {"draft_vocab_size": size, "vocab_of": str(args.vocab_of) if vocab is vocabs[-1] and args.vocab_of
+               else None, "train_coverage": coverage(train_counts, vocab),
                "heldout_coverage": coverage(held_counts, vocab), "acceptance_length": 1 + sum(per_pos),
                "per_position": per_pos}
         rows.append(row)

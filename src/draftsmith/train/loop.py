@@ -342,24 +342,27 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
     if not train_idx:
         raise DraftsmithError("no training samples left after the validation split")
 
-    def vocab_samples() -> Iterable[dict]:
-        if not cfg.vocab_data:
-            return (samples[i] for i in train_idx)
-        from draftsmith.data.capture import load_shards
+    def vocab_counts() -> torch.Tensor:
+        """Reply-token counts that choose the vocabulary: ``cfg.vocab_data``, else the training samples."""
+        if cfg.vocab_data:
+            from draftsmith.data.capture import load_shards
 
-        return (s for d in cfg.vocab_data for s in load_shards(Path(d), fingerprint))  # one shard in memory
+            chosen: Iterable[dict] = (s for d in cfg.vocab_data for s in load_shards(Path(d), fingerprint))
+        else:
+            chosen = (samples[i] for i in train_idx)
+        return token_counts(chosen, verifier.get_output_embeddings().weight.shape[0])  # one shard in memory
 
     # draft: warm start (keeps its vocabulary unless extend_vocab) or fresh from the verifier
     if cfg.init_from:
         draft = read_draft(cfg.init_from, device="cpu", dtype=torch.float32)
         vocab_cov = None
         if cfg.extend_vocab:
-            counts = token_counts(vocab_samples(), verifier.get_output_embeddings().weight.shape[0])
+            counts = vocab_counts()
             draft = extend_draft_vocab(draft, verifier, grow_vocab(counts, draft.draft_to_target,
                                                                    min(cfg.draft_vocab_size, counts.shape[0])))
             vocab_cov = coverage(counts, draft.draft_to_target)
     else:
-        counts = token_counts(vocab_samples(), verifier.get_output_embeddings().weight.shape[0])
+        counts = vocab_counts()
         vocab = select_vocab(counts, min(cfg.draft_vocab_size, counts.shape[0]))
         vocab_cov = coverage(counts, vocab)
         width = {"intermediate_size": cfg.draft_intermediate_size} if cfg.draft_intermediate_size else {}
