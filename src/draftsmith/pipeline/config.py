@@ -27,7 +27,9 @@ class DataSection:
                                      "OLD/shards NEW/shards`; fresh replies gained 3.4x as much as another pass "
                                      "over old ones, BENCHMARKS.md section 3)")
     max_new_tokens: int = opt(256, "longest regenerated response")
-    temperature: float = opt(0.0, "regeneration temperature (0: the verifier's greedy outputs)")
+    temperature: float = opt(0.0, "regeneration temperature (0: the verifier's greedy outputs, right for a "
+                                  "draft served at greedy; replies sampled at 0.7 trained a worse one, "
+                                  "BENCHMARKS.md section 3)")
     batch_size: int = opt(64, "regeneration batch size (a decode step costs about the same at 16 or 128 rows "
                                "on CPU, so large batches are several times faster)")
     max_prompt_tokens: int = opt(512, "longer prompts are dropped")
