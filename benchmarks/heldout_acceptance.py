@@ -30,20 +30,28 @@ import sys
 from pathlib import Path
 
 
+def draft_steps(draft, samples: list[dict], k: int):
+    """Per sample: its one-sample batch and the draft's k teacher-forced step logits over it."""
+    import torch
+
+    from draftsmith.train.packing import collate
+
+    for s in samples:
+        b = collate([s], [0], s["input_ids"].shape[0])
+        with torch.no_grad():
+            yield b, draft.forward_ttt(b.aux.float(), b.input_ids, b.position_ids, b.attn_mask, k)
+
+
 def teacher_forced(draft, samples: list[dict], k: int) -> tuple[list[float], int, list[float]]:
     """Pooled per-position acceptance over ``samples``, positions counted, and each sample's length."""
     import torch
 
     from draftsmith.train.loop import simulated_acceptance
-    from draftsmith.train.packing import collate
 
     acc = torch.zeros(k, dtype=torch.long)
     n = 0
     per_sample = []
-    for s in samples:
-        b = collate([s], [0], s["input_ids"].shape[0])
-        with torch.no_grad():
-            logits = draft.forward_ttt(b.aux.float(), b.input_ids, b.position_ids, b.attn_mask, k)
+    for b, logits in draft_steps(draft, samples, k):
         a, c = simulated_acceptance(logits, b, draft.draft_to_target)
         acc += a
         n += int(c)

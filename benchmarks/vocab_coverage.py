@@ -56,20 +56,20 @@ def main(argv: list[str] | None = None) -> int:
     model, _, fingerprint = load_verifier(args.verifier, dtype="float32")
     V = model.get_output_embeddings().weight.shape[0]
     train_counts = sum(token_counts(load_shards(d, fingerprint), V) for d in args.data)
-    held_counts = token_counts(load_shards(args.cache / "shards", fingerprint), V)
     samples = list(load_shards(args.cache / "shards", fingerprint))
+    held_counts = token_counts(samples, V)
     draft = read_draft(str(args.draft), device="cpu", dtype=torch.float32).eval()
     rows = []
-    vocabs = [grow_vocab(train_counts, draft.draft_to_target, size)
+    vocabs = [(grow_vocab(train_counts, draft.draft_to_target, size), None)
               for size in [draft.config.draft_vocab_size] + args.sizes]
     if args.vocab_of:
-        vocabs.append(read_draft(str(args.vocab_of), device="cpu", dtype=torch.float32).draft_to_target)
-    for vocab in vocabs:
+        other = read_draft(str(args.vocab_of), device="cpu", dtype=torch.float32)
+        vocabs.append((other.draft_to_target, str(args.vocab_of)))
+    for vocab, vocab_of in vocabs:
         size = int(vocab.numel())
         grown = extend_draft_vocab(draft, model, vocab).eval()
         per_pos, n, _ = teacher_forced(grown, samples, args.k)
-        row = {"draft_vocab_size": size, "vocab_of": str(args.vocab_of) if vocab is vocabs[-1] and args.vocab_of
-               else None, "train_coverage": coverage(train_counts, vocab),
+        row = {"draft_vocab_size": size, "vocab_of": vocab_of, "train_coverage": coverage(train_counts, vocab),
                "heldout_coverage": coverage(held_counts, vocab), "acceptance_length": 1 + sum(per_pos),
                "per_position": per_pos}
         rows.append(row)
