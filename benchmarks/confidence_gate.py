@@ -28,20 +28,20 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 
 def chains(draft, samples: list[dict], k: int):
     """Per counted position: confidences ``[N, k]`` and correctness ``[N, k]`` of the k teacher-forced steps."""
     import torch
 
-    from draftsmith.train.loss import shift_left, step_mask
-    from draftsmith.train.packing import collate
+    from draftsmith.train.loop import chain_mask
+    from draftsmith.train.loss import shift_left
+    from heldout_acceptance import draft_steps
 
     confs, oks = [], []
-    for s in samples:
-        b = collate([s], [0], s["input_ids"].shape[0])
-        with torch.no_grad():
-            logits = draft.forward_ttt(b.aux.float(), b.input_ids, b.position_ids, b.attn_mask, k)
-        full = step_mask(b.mask, b.doc, k - 1)
+    for b, logits in draft_steps(draft, samples, k):
+        full = chain_mask(b, k)
         c = torch.stack([lg.float().softmax(-1).amax(-1) for lg in logits], -1)  # [1, L, k]
         ok = torch.stack([draft.draft_to_target[lg.argmax(-1)] == shift_left(b.next_tokens, j, fill=-1)
                           for j, lg in enumerate(logits)], -1)

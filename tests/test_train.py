@@ -67,6 +67,39 @@ def test_packing_alignment_by_hand():
     assert pack_rows([s1, s2], [0, 1], pack_tokens=5) == [[0], [1]]
 
 
+def test_simulated_acceptance_counts_only_chains_inside_a_reply():
+    """Chains of K = 3 steps, counted by hand: none may start in the prompt or cross a user turn."""
+    def sample(ids, lm):
+        n = len(ids)
+        return {"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(lm).bool(),
+                "aux": torch.zeros(n, 3), "last": torch.zeros(n, 1)}
+
+    # A: 4 prompt tokens, then a reply of 4. B: a reply of 2, a user turn of 2, a reply of 3.
+    a = sample([10, 11, 12, 13, 14, 15, 16, 17], [0, 0, 0, 0, 1, 1, 1, 1])
+    b = sample([20, 21, 22, 23, 24, 25, 26, 27, 28], [0, 0, 1, 1, 0, 0, 1, 1, 1])
+    batch = collate([a, b], [0, 1], 32)
+    assert batch.mask.tolist() == [[False, False, True, True, True, True, False] +
+                                   [True, True, False, False, True, True, True, False]]
+    # chains whose three targets x_{t+2}, x_{t+3}, x_{t+4} are all reply tokens: A at t = 2, 3; B at t = 4
+    expect = [False, False, True, True, False, False, False] + [False] * 4 + [True] + [False] * 3
+    assert loop_mod.chain_mask(batch, 3).tolist() == [expect]
+    # a draft that always guesses right (identity vocabulary) is accepted at every step of those 3 chains
+    V = 40
+    d2t = torch.arange(V)
+    nxt = batch.next_tokens.clamp(min=0)
+
+    def perfect(j):
+        return torch.nn.functional.one_hot(torch.cat([nxt[:, j:], torch.zeros_like(nxt[:, :j])], 1), V).float()
+
+    acc, count = loop_mod.simulated_acceptance([perfect(j) for j in range(3)], batch, d2t)
+    assert int(count) == 3 and acc.tolist() == [3, 3, 3]
+    # negative control: a miss at step 1 of A's first chain (t = 2) stops that chain from step 1 on
+    wrong = perfect(1)
+    wrong[0, 2] = torch.nn.functional.one_hot(torch.tensor(0), V).float()
+    acc, count = loop_mod.simulated_acceptance([perfect(0), wrong, perfect(2)], batch, d2t)
+    assert int(count) == 3 and acc.tolist() == [3, 2, 2]
+
+
 def test_overfits_fixed_batch(tmp_path, samples):
     """The draft can memorise one tiny batch: loss falls to near zero, accuracy to ~1."""
     cfg = _cfg(tmp_path, epochs=300, lr=3e-3, step_weight=1.0)

@@ -252,15 +252,29 @@ def train_flops_per_token(cfg: Eagle3Config, steps: int, mean_context: float, tr
     return 3 * fwd_trained + steps * (6 if train_head else 4) * head + 2 * head  # + the target logits
 
 
+def chain_mask(batch: PackedBatch, K: int) -> torch.Tensor:
+    """Positions whose K chain steps all have a target among their document's assistant tokens.
+
+    Every step is checked: a position just before a reply has its last steps' targets
+    inside the reply but its first ones in the prompt, and one that spans a user turn
+    between two replies has its middle ones there.
+    """
+    full = batch.mask.clone()
+    for j in range(1, K):
+        full &= step_mask(batch.mask, batch.doc, j)
+    return full
+
+
 def simulated_acceptance(step_logits: list[torch.Tensor], batch: PackedBatch,
                          draft_to_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy chain acceptance under teacher forcing: counts ``[K]`` of accepted-at-j and the chain count.
 
     A position contributes when all K steps have a target inside its document's
-    assistant tokens; its step j is accepted if steps 0..j all equal the verifier's token.
+    assistant tokens (:func:`chain_mask`); its step j is accepted if steps 0..j all
+    equal the verifier's token.
     """
     K = len(step_logits)
-    full = step_mask(batch.mask, batch.doc, K - 1)  # step K-1 valid implies all earlier ones are
+    full = chain_mask(batch, K)
     ok = torch.ones_like(full)
     accepted = torch.zeros(K, dtype=torch.long)
     for j, logits in enumerate(step_logits):
