@@ -15,7 +15,7 @@ per-token cost) it predicts the speedup of each policy:
 Teacher forcing feeds the true token after a wrong guess, so the confidence of
 the steps after a first miss (they decide how much gets verified in vain) is an
 approximation. Only a gated proposer run by ``draftsmith bench`` would measure the real thing;
-none is built, because the best gate predicted here gains 1.5% (BENCHMARKS.md section 4).
+none is built, because the best gate predicted here gains about 1% (BENCHMARKS.md section 4).
 
     PYTHONPATH=src python benchmarks/confidence_gate.py --cache runs/eval-mtbench \
         --draft runs/more-h-fresh11k-v20k/draft --costs benchmarks/results/bench-eagle3-v20k/report.json
