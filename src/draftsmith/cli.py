@@ -95,7 +95,7 @@ def run_data(cfg: Any) -> int:
     v = steps.Verifier(cfg.verifier, steps.data_dtype(cfg.dtype, cfg.device), cfg.device)
     cache = StepCache(out / "steps")
     data = steps.regeneration_key(cfg)
-    p = cache.run("prompts", {"data": data}, lambda w: steps.prompts(cfg, w))
+    p = cache.run("prompts", steps.prompts_key(cfg, v), lambda w: steps.prompts(cfg, w, v))
     r = cache.run("regenerate", {"fp": v.fingerprint, "prompts": p["sha"], "data": data},
                   lambda w: steps.regenerate(v, Path(p["path"]), cfg, w))
     c = cache.run("capture", {"fp": v.fingerprint, "regenerated": r["sha"], **steps.capture_key(cfg),

@@ -429,6 +429,9 @@ def _resolve(source: str | Path) -> tuple[str, DatasetSpec]:
             return str(path), DatasetSpec(lambda: _local_hf(path))
         raise DraftsmithError(f"dataset file {text!r}: unsupported type {path.suffix!r}; use .jsonl "
                               f"or one of {', '.join(sorted(_HF_FORMATS))}")
+    if text == "self":
+        raise DraftsmithError("dataset 'self' (prompts the verifier writes) is a training source of `draftsmith "
+                              "data` and `draftsmith pipeline run` only; evaluate on a held-out set or a file")
     looks_like_path = any(c in text for c in "/\\.")
     raise DraftsmithError(
         (f"dataset file {text!r} not found" if looks_like_path else f"unknown dataset {text!r}")

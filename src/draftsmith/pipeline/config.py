@@ -19,13 +19,16 @@ from draftsmith.errors import DraftsmithError
 class DataSection:
     """Prompts and the verifier's regenerated responses."""
 
-    dataset: str = opt("sharegpt", "training prompts: sharegpt, a JSONL file or a datasets directory")
+    dataset: str = opt("sharegpt", "training prompts: sharegpt, a JSONL file, a datasets directory, or self "
+                                   "(the verifier writes them itself from its chat template's user turn, "
+                                   "Magpie-style: a source that never runs out, in the verifier's own domain)")
     num_conversations: int = opt(256, "conversations to regenerate (the first N of the train split, after "
                                       "--skip-conversations)")
     skip_conversations: int = opt(0, "skip the train split's first N conversations, e.g. those an earlier run "
                                      "regenerated: fresh replies to train on next to it (`draftsmith train --data "
                                      "OLD/shards NEW/shards`; fresh replies gained 3.4x as much as another pass "
-                                     "over old ones, BENCHMARKS.md section 3)")
+                                     "over old ones, BENCHMARKS.md section 3); with --dataset self, the first N "
+                                     "attempts (the prompts step prints the N that makes all attempts new)")
     max_new_tokens: int = opt(256, "longest regenerated response")
     temperature: float = opt(0.0, "regeneration temperature (0: the verifier's greedy outputs, right for a "
                                   "draft served at greedy; replies sampled at 0.7 trained a worse one, "

@@ -72,7 +72,7 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
         drift = b["summary"]
         report["before"] = drift
 
-    p = cache.run("prompts", {"data": steps.regeneration_key(cfg.data)}, lambda w: steps.prompts(cfg.data, w))
+    p = cache.run("prompts", steps.prompts_key(cfg.data, vd), lambda w: steps.prompts(cfg.data, w, vd))
     r = cache.run("regenerate", {"fp": fp, "prompts": p["sha"], "data": steps.regeneration_key(cfg.data)},
                   lambda w: steps.regenerate(vd, Path(p["path"]), cfg.data, w))
     c = cache.run("capture", {"fp": fp, "regenerated": r["sha"], **steps.capture_key(cfg.data), "dtype": vd.dtype},

@@ -78,21 +78,49 @@ def capture_key(data: DataSection) -> dict[str, Any]:
     return key
 
 
-def prompts(data: DataSection, work: Path) -> dict[str, Any]:
-    """Training prompts (train split, evaluation sets excluded) -> ``prompts.jsonl``."""
+def prompts_key(data: DataSection, v: "Verifier") -> dict[str, Any]:
+    """The prompts step's cache inputs: the data settings, plus the verifier and its dtype when it
+    writes the prompts itself (``--dataset self``)."""
+    from draftsmith.data.selfprompts import SELF_DATASET
+
+    key: dict[str, Any] = {"data": regeneration_key(data)}
+    if data.dataset == SELF_DATASET:
+        key.update(fp=v.fingerprint, dtype=v.dtype)
+    return key
+
+
+def prompts(data: DataSection, work: Path, v: "Verifier | None" = None) -> dict[str, Any]:
+    """Training prompts (train split, evaluation sets excluded) -> ``prompts.jsonl``.
+
+    With ``--dataset self`` the verifier ``v`` writes them (:mod:`draftsmith.data.selfprompts`).
+    """
     from draftsmith.data.prompts import load_prompts
+    from draftsmith.data.selfprompts import SELF_DATASET, write_self_prompts
 
     skip = data.skip_conversations
-    loaded = load_prompts(data.dataset, split="train", limit=skip + data.num_conversations, seed=data.seed)
-    convs = loaded[skip:]
-    if not convs:
-        raise DraftsmithError(f"--skip-conversations {skip} leaves no prompt: the train split of "
-                              f"{data.dataset!r} has {len(loaded)} conversations")
+    extra: dict[str, Any] = {}
+    if data.dataset == SELF_DATASET:
+        if v is None:
+            raise DraftsmithError("--dataset self needs the verifier to write the prompts")
+        convs, counts = write_self_prompts(v.model, v.tokenizer, data.num_conversations,
+                                           work / "attempts.jsonl", seed=data.seed, skip=skip,
+                                           batch_size=data.batch_size, fingerprint=v.fingerprint)
+        extra["self_prompts"] = counts
+        say(f"[prompts] the verifier wrote {counts['kept']} prompts in {counts['attempts']} attempts "
+            f"({counts['unfinished']} unfinished, {counts['too_short']} too short, {counts['duplicate']} "
+            f"duplicates, {counts['eval_overlap']} overlapping evaluation sets); fresh ones for a later "
+            f"run: --skip-conversations {counts['next_skip']}")
+    else:
+        loaded = load_prompts(data.dataset, split="train", limit=skip + data.num_conversations, seed=data.seed)
+        convs = loaded[skip:]
+        if not convs:
+            raise DraftsmithError(f"--skip-conversations {skip} leaves no prompt: the train split of "
+                                  f"{data.dataset!r} has {len(loaded)} conversations")
     path = work / "prompts.jsonl"
     with open(path, "w") as f:
         for c in convs:
             f.write(json.dumps(c.to_record()) + "\n")
-    return {"path": str(path), "count": len(convs), "sha": file_digest(path)}
+    return {"path": str(path), "count": len(convs), "sha": file_digest(path), **extra}
 
 
 def regenerate(v: Verifier, prompts_path: Path, data: DataSection, work: Path) -> dict[str, Any]:
