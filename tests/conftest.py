@@ -56,6 +56,19 @@ def tiny_model(arch: str = "llama", seed: int = 0, vocab: int = VOCAB, layers: i
     return _cached_tiny(arch, seed, vocab, layers, scale)
 
 
+def interrupted_on_call(fn, n: int = 2):
+    """``fn`` that raises KeyboardInterrupt on its ``n``-th call (a Ctrl-C in the middle of a run)."""
+    calls = []
+
+    def wrapper(*args, **kw):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return fn(*args, **kw)
+
+    return wrapper
+
+
 def perturbed_copy(model: torch.nn.Module, noise: float, seed: int = 123) -> torch.nn.Module:
     """A copy of ``model`` with Gaussian noise on its weights: agrees with it partially."""
     import copy

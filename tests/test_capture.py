@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import smollm2_tokenizer, tiny_model
+from conftest import interrupted_on_call, smollm2_tokenizer, tiny_model
 from draftsmith.data import capture as C
 from draftsmith.data.chat import encode_chat
 from draftsmith.data.prompts import Conversation, tokenize_conversation
@@ -221,15 +221,8 @@ def test_capture_resumes_to_byte_identical_shards(tok, tmp_path, monkeypatch):
     m, convs = model(), chats()
     capture(m, tok, convs, tmp_path / "full")
 
-    real, calls = C._capture_window, []
-
-    def dies_on_second_shard(*args, **kw):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*args, **kw)
-
-    monkeypatch.setattr(C, "_capture_window", dies_on_second_shard)
+    real = C._capture_window
+    monkeypatch.setattr(C, "_capture_window", interrupted_on_call(real))  # in the second shard
     with pytest.raises(KeyboardInterrupt):
         capture(m, tok, convs, tmp_path / "cut")
     assert [p.name for p in (tmp_path / "cut").iterdir()] and not C.read_manifest(tmp_path / "cut")["complete"]
@@ -404,15 +397,8 @@ def regen(m, tok, convs, path, **kw):
 def test_regenerate_resumes_to_an_identical_file(tok, tmp_path, monkeypatch, temperature):
     m, convs = model(), prompts()
     full = regen(m, tok, convs, tmp_path / "full.jsonl", temperature=temperature, seed=3)
-    real, calls = C._generate_batch, []
-
-    def dies_after_first_batch(*args, **kw):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*args, **kw)
-
-    monkeypatch.setattr(C, "_generate_batch", dies_after_first_batch)
+    real = C._generate_batch
+    monkeypatch.setattr(C, "_generate_batch", interrupted_on_call(real))  # after the first batch
     cut = tmp_path / "cut.jsonl"
     with pytest.raises(KeyboardInterrupt):
         regen(m, tok, convs, cut, temperature=temperature, seed=3)

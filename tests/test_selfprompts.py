@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from conftest import smollm2_tokenizer, tiny_model
+from conftest import interrupted_on_call, smollm2_tokenizer, tiny_model
 from draftsmith.data import selfprompts as S
 from draftsmith.data.prompts import load_prompts
 from draftsmith.errors import DraftsmithError
@@ -97,16 +97,9 @@ def test_self_prompts_are_the_verifiers_and_resume_to_an_identical_file(tok, tmp
     assert recs[0]["text"] == tok.decode(ids, skip_special_tokens=True) and recs[0]["finish_reason"] == reason
 
     # interrupted in the second batch's generate, then torn inside a write: the resume draws the same
-    real, calls = S._generate_batch, []
-
-    def dies_on_second_batch(*args, **kw):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*args, **kw)
-
+    real = S._generate_batch
     cut = tmp_path / "cut.jsonl"
-    monkeypatch.setattr(S, "_generate_batch", dies_on_second_batch)
+    monkeypatch.setattr(S, "_generate_batch", interrupted_on_call(real))
     with pytest.raises(KeyboardInterrupt):
         write(m, tok, cut)
     monkeypatch.setattr(S, "_generate_batch", real)

@@ -193,6 +193,26 @@ def _generate_batch(model: torch.nn.Module, prompts: list[list[int]], seeds: lis
     return results
 
 
+def complete_lines(path: Path) -> list[bytes]:
+    """The complete lines of an append-only JSONL file (none if it does not exist).
+
+    Every record is written as one line ending in "\\n", so text after the last one is a
+    torn write of an interrupted run: it is cut off the file, with a warning.
+    """
+    if not path.exists():
+        return []
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DraftsmithError(f"cannot read {path}: {e.strerror or e}") from e
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        log.warning("%s: dropping a torn last line (%d bytes) from an interrupted run", path, len(data) - end)
+        with open(path, "r+b") as f:
+            f.truncate(end)
+    return data[:end].splitlines()
+
+
 def _read_regenerated(path: Path, generation: dict[str, Any], known_ids: set[str]) -> set[str]:
     """Ids already regenerated in ``path``; a torn last line (interrupted write) is cut off.
 
@@ -200,20 +220,8 @@ def _read_regenerated(path: Path, generation: dict[str, Any], known_ids: set[str
         DraftsmithError: a complete line is not JSON, was made with other settings,
             or belongs to another dataset.
     """
-    if not path.exists():
-        return set()
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise DraftsmithError(f"cannot read {path}: {e.strerror or e}") from e
-    end = data.rfind(b"\n") + 1
-    if end < len(data):
-        # Every record is written as one line ending in "\n": text after the last one is a torn write.
-        log.warning("%s: dropping a torn last line (%d bytes) from an interrupted run", path, len(data) - end)
-        with open(path, "r+b") as f:
-            f.truncate(end)
     done: set[str] = set()
-    for n, raw in enumerate(data[:end].splitlines(), start=1):
+    for n, raw in enumerate(complete_lines(path), start=1):
         if not raw.strip():
             continue
         try:

@@ -24,7 +24,6 @@ duplicates and held-out evaluation prompts are dropped) until ``n`` are kept.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 from pathlib import Path
@@ -32,12 +31,10 @@ from typing import Any
 
 import torch
 
-from draftsmith.data.capture import _eos_ids, _generate_batch, _pad_id, sample_seed
+from draftsmith.data.capture import _eos_ids, _generate_batch, _pad_id, complete_lines, sample_seed
 from draftsmith.data.prompts import Conversation, _ids, _render, normalize_text, remove_eval_overlap
 from draftsmith.decoding.sampling import SamplingParams
 from draftsmith.errors import DraftsmithError
-
-log = logging.getLogger(__name__)
 
 SELF_DATASET = "self"
 #: Sampling for the requests (not the replies): Magpie samples at temperature 1;
@@ -69,19 +66,8 @@ def user_turn_prefix(tokenizer: Any) -> list[int]:
 
 def _read_attempts(path: Path, generation: dict[str, Any], first: int) -> list[dict[str, Any]]:
     """The attempts already in ``path`` (a torn last line is cut off), checked against the settings."""
-    if not path.exists():
-        return []
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise DraftsmithError(f"cannot read {path}: {e.strerror or e}") from e
-    end = data.rfind(b"\n") + 1
-    if end < len(data):
-        log.warning("%s: dropping a torn last line (%d bytes) from an interrupted run", path, len(data) - end)
-        with open(path, "r+b") as f:
-            f.truncate(end)
-    rows = []
-    for n, raw in enumerate(data[:end].splitlines(), start=1):
+    rows: list[dict[str, Any]] = []
+    for n, raw in enumerate(complete_lines(path), start=1):
         try:
             rec = json.loads(raw)
             index, gen = int(rec["index"]), rec["generation"]
