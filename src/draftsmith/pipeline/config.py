@@ -86,6 +86,11 @@ class BenchSection:
     repeats: int = opt(1, "timed passes")
     hf_reference: bool = opt(True, "include HF generate / prompt-lookup rows")
 
+    def __post_init__(self) -> None:
+        if self.dataset == "self":  # checked here, not after hours of training
+            raise DraftsmithError("bench.dataset: 'self' writes training prompts; measure on held-out prompts "
+                                  "(mt-bench, humaneval or a JSONL file)")
+
 
 @dataclass
 class GateSection:
