@@ -368,8 +368,7 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
                 os.fsync(f.fileno())
                 bar.set_postfix_str(f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.1f} tok/s")
     except OSError as e:
-        what = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-        raise DraftsmithError(f"cannot write {out_path}: {what}; the {len(done)} finished replies are kept "
+        raise DraftsmithError(f"cannot write {out_path}: {write_failure(e)}; the {len(done)} finished replies are kept "
                               "there, free space and re-run to continue") from e
     finally:
         bar.close()
@@ -689,10 +688,14 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def write_failure(e: OSError) -> str:
+    """Why a write failed, in words ("the disk is full" for a full disk or quota)."""
+    return "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+
+
 def _disk_error(e: OSError, what: Path) -> DraftsmithError:
-    why = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
-    return DraftsmithError(f"cannot write {what}: {why}; completed shards are kept, free space and re-run "
-                           "the same command to continue")
+    return DraftsmithError(f"cannot write {what}: {write_failure(e)}; completed shards are kept, free space and "
+                           "re-run the same command to continue")
 
 
 def _write_shard(path: Path, samples: list[dict], meta: dict[str, Any]) -> tuple[str, int]:

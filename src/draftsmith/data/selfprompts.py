@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.data.capture import _eos_ids, _generate_batch, _pad_id, complete_lines, sample_seed
+from draftsmith.data.capture import _eos_ids, _generate_batch, _pad_id, complete_lines, sample_seed, write_failure
 from draftsmith.data.prompts import Conversation, _ids, _render, normalize_text, remove_eval_overlap
 from draftsmith.decoding.sampling import SamplingParams
 from draftsmith.errors import DraftsmithError
@@ -197,7 +197,7 @@ def write_self_prompts(model: torch.nn.Module, tokenizer: Any, n: int, attempts_
                 bar.update(len(kept) - before)
                 bar.set_postfix_str(f"{len(attempts)} attempts, {time.perf_counter() - t0:.0f} s")
     except OSError as e:
-        raise DraftsmithError(f"cannot write {attempts_path}: {e.strerror or e}; the {len(attempts)} finished "
+        raise DraftsmithError(f"cannot write {attempts_path}: {write_failure(e)}; the {len(attempts)} finished "
                               "attempts are kept there, free space and re-run to continue") from e
     finally:
         bar.close()
