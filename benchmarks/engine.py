@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
 
-    from draftsmith.bench import BenchState, Row, _environment, _load_eval_prompts, bootstrap_ci, \
-        measure_interleaved, paired_ratios, summarize
+    from draftsmith.bench.measure import BenchState, Row, _environment, _load_eval_prompts, measure_interleaved
+    from draftsmith.bench.stats import bootstrap_ci, paired_ratios, summarize
     from draftsmith.decoding.proposers import NgramProposer
     from draftsmith.models.verifier import load_verifier
 

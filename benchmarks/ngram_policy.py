@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from draftsmith.bench import _load_eval_prompts, measure_verify_costs
+    from draftsmith.bench.measure import _load_eval_prompts, measure_verify_costs
     from draftsmith.decoding.engine import generate
     from draftsmith.decoding.proposers import DraftContext, NgramProposer
     from draftsmith.decoding.sampling import SamplingParams

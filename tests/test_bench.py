@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from draftsmith import bench
-from draftsmith.bench import (BenchConfig, CostModel, DrafterProfile, Row, benchmark, best_k, bootstrap_ci,
-                              break_even_alpha, expected_tokens, limiting_term, paired_ratios, predict,
-                              predicted_speedup, summarize, timed_run)
+from draftsmith.bench import BenchConfig, benchmark
+from draftsmith.bench import costmodel, measure, report as bench_report
+from draftsmith.bench.costmodel import (CostModel, DrafterProfile, best_k, break_even_alpha, expected_tokens,
+                                        limiting_term, predict, predicted_speedup)
+from draftsmith.bench.measure import Row, timed_run
+from draftsmith.bench.stats import bootstrap_ci, paired_ratios, summarize
 from draftsmith.decoding.proposers import DraftModelProposer, NgramProposer, Proposal, Proposer
 from draftsmith.errors import DraftsmithError
 
@@ -50,7 +52,7 @@ def test_perfect_drafter_reports_acceptance_length_k_plus_1(tiny):
     k, m = 3, 4
     row = Row("self", "drafter", tiny, drafter="self", k=k, proposer=DraftModelProposer(tiny))
     results = [timed_run(row, torch.tensor(ids), 1 + m * (k + 1), 0.0, seed=0) for _, ids in _prompts(2)]
-    acc = bench._pooled_acceptance(results, k)
+    acc = bench_report._pooled_acceptance(results, k)
     assert acc["acceptance_length"] == k + 1
     assert acc["acceptance_rate"] == 1.0
     assert acc["per_position_acceptance"] == [1.0] * k
@@ -195,19 +197,19 @@ def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
     assert report["costs"]["t1_seconds"] > 0 and len(report["costs"]["t_verify_seconds"]) == 9
     md = (tmp_path / "report.md").read_text()
     assert len(md.splitlines()) <= 40 and "| plain (ours) |" in md and "held back by" in md
-    for plot in bench.PLOTS:
+    for plot in bench_report.PLOTS:
         assert (tmp_path / plot).stat().st_size > 10_000, plot
     # the verdicts a person must not miss
     wrong = report["break_even"]["wrong"]
     wrong.update(measured_speedup=0.8, below_break_even=True, meets_target=False)
     wrong["measured"][str(wrong["measured_k"])]["ci95"] = [0.75, 0.85]
     report["rows"][1]["identical_output_rate"], report["rows"][1]["identical_prompts"] = 0.5, "1/2"
-    md = bench.render_markdown(report)
+    md = bench_report.render_markdown(report)
     assert "this draft makes decoding slower by 20% (0.80x at k=" in md
     # an interval that holds 1.0 is reported as no measurable effect, not as "slower by 1%"
     wrong.update(measured_speedup=0.99)
     wrong["measured"][str(wrong["measured_k"])]["ci95"] = [0.95, 1.03]
-    assert "wrong**: no measurable effect (0.99x [0.95-1.03] at k=" in bench.render_markdown(report)
+    assert "wrong**: no measurable effect (0.99x [0.95-1.03] at k=" in bench_report.render_markdown(report)
     assert "WARNING: ngram k=2 output equals plain decoding on only 1/2 prompts" in md and "a bug" in md
     assert len(md.splitlines()) <= 40
 
@@ -260,18 +262,18 @@ class _CharTokenizer:
 
 
 def test_eval_prompt_loaders(tmp_path):
-    mt = bench._load_eval_prompts("mt-bench", _CharTokenizer(), None)
+    mt = measure._load_eval_prompts("mt-bench", _CharTokenizer(), None)
     assert len(mt) == 80 and mt[0][0] == "81" and mt[0][1][:4] == [ord(c) for c in "Comp"]
-    he = bench._load_eval_prompts("humaneval", _CharTokenizer(), 3)
+    he = measure._load_eval_prompts("humaneval", _CharTokenizer(), 3)
     assert [pid for pid, _ in he] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "ab"}\n\n{"id": "q", "messages": [{"role": "user", "content": "cd"}, '
                  '{"role": "assistant", "content": "x"}]}\n{"turns": ["ef", "gh"]}\n')
-    assert bench._load_eval_prompts(str(f), _CharTokenizer(), None) == [
+    assert measure._load_eval_prompts(str(f), _CharTokenizer(), None) == [
         ("p.jsonl:1", [97, 98]), ("q", [99, 100]), ("p.jsonl:4", [101, 102])]
     f.write_text('{"answer": 1}\n')
     with pytest.raises(DraftsmithError, match="line 1"):
-        bench._load_eval_prompts(str(f), _CharTokenizer(), None)
+        measure._load_eval_prompts(str(f), _CharTokenizer(), None)
 
 
 @pytest.mark.slow
@@ -287,10 +289,10 @@ def test_bench_cli_on_smollm2(tmp_path):
 
 
 def test_monotone_fit_pools_violators():
-    fit = bench.monotone_fit({1: 0.089, 2: 0.091, 3: 0.079, 4: 0.138, 5: 0.124, 6: 0.118})
+    fit = costmodel.monotone_fit({1: 0.089, 2: 0.091, 3: 0.079, 4: 0.138, 5: 0.124, 6: 0.118})
     assert list(fit) == [1, 2, 3, 4, 5, 6]
     assert fit[1] == fit[2] == fit[3] == pytest.approx((0.089 + 0.091 + 0.079) / 3)  # 0.085 < 0.089: pooled again
     assert fit[4] == pytest.approx((0.138 + 0.124 + 0.118) / 3) == fit[6]
     assert all(a <= b for a, b in zip(list(fit.values()), list(fit.values())[1:]))
     already = {1: 1.0, 2: 2.0, 4: 3.0}
-    assert bench.monotone_fit(already) == already  # a monotone input is left alone
+    assert costmodel.monotone_fit(already) == already  # a monotone input is left alone

@@ -1,0 +1,322 @@
+"""Measurement: rows (ways of decoding), timed runs interleaved per prompt, step costs.
+
+Every row runs on the same prompts, interleaved per prompt (the row order rotates)
+so that machine drift hits every row alike; results land in a :class:`BenchState`
+as they come, so an interrupted run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from draftsmith.bench.costmodel import CostModel, fit_draft_cost, monotone_fit
+from draftsmith.decoding.proposers import DraftContext, Proposal, Proposer
+from draftsmith.decoding.sampling import SamplingParams
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device) -> bool:
+    """Reset the peak RSS (Linux ``clear_refs``) and CUDA peak counters; True if RSS could be reset."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # 5 = reset the peak resident set size (VmHWM)
+        return True
+    except OSError:
+        return False
+
+
+def peak_memory(device: torch.device) -> tuple[int | None, int | None]:
+    """(peak RSS bytes, peak CUDA bytes allocated or None)."""
+    cuda = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+    try:
+        m = re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text())
+        if m:
+            return int(m.group(1)) * 1024, cuda
+    except OSError:
+        pass  # not Linux: fall back to getrusage, a process-lifetime peak
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024), cuda
+
+
+class RecordingProposer(Proposer):
+    """Wraps a proposer to record, per call, the requested k, the proposed length and
+    (with ``timing``) the wall time; used for draft-length distributions and draft costs."""
+
+    def __init__(self, inner: Proposer, timing: bool = False, device: torch.device | None = None) -> None:
+        self.inner, self.timing, self.device = inner, timing, device
+        # The engine reads these; mirror the wrapped drafter's declaration.
+        self.requires_hidden_states = inner.requires_hidden_states
+        self.aux_layer_ids = inner.aux_layer_ids
+        self.calls: list[tuple[int, int, float]] = []
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def check_compatible(self, verifier: torch.nn.Module) -> None:
+        self.inner.check_compatible(verifier)
+
+    def propose(self, ctx: DraftContext, k: int, sampling: SamplingParams,
+                generator: torch.Generator | None) -> Proposal:
+        if not self.timing:
+            proposal = self.inner.propose(ctx, k, sampling, generator)
+            self.calls.append((k, int(proposal.tokens.shape[0]), 0.0))
+            return proposal
+        if self.device is not None:
+            _sync(self.device)
+        t0 = time.perf_counter()
+        proposal = self.inner.propose(ctx, k, sampling, generator)
+        if self.device is not None:
+            _sync(self.device)
+        self.calls.append((k, int(proposal.tokens.shape[0]), time.perf_counter() - t0))
+        return proposal
+
+
+@dataclass
+class RunResult:
+    """One timed generation of one row on one prompt."""
+
+    token_ids: list[int]
+    seconds: float
+    stats: dict[str, Any] | None = None
+    draft_calls: list[tuple[int, int, float]] = field(default_factory=list)
+    peak_rss: int | None = None
+    peak_cuda: int | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.token_ids) / self.seconds if self.seconds > 0 else float("inf")
+
+
+class Row:
+    """Something to measure: a decoding method of the verifier.
+
+    Attributes:
+        name: label in the report.
+        kind: plain | drafter | hf-generate | hf-prompt-lookup.
+        drafter: drafter label (rows of one drafter at several k share it).
+        k: draft length (None for rows without drafting).
+    """
+
+    def __init__(self, name: str, kind: str, model: torch.nn.Module, drafter: str | None = None,
+                 k: int | None = None, proposer: Proposer | None = None) -> None:
+        self.name, self.kind, self.model, self.drafter, self.k, self.proposer = name, kind, model, drafter, k, proposer
+
+    def __call__(self, ids: torch.Tensor, max_new_tokens: int, temperature: float,
+                 seed: int) -> tuple[list[int], dict[str, Any] | None, list[tuple[int, int, float]]]:
+        """Generate; returns (new token ids, engine stats or None, proposer calls)."""
+        if self.kind.startswith("hf-"):
+            return self._hf(ids, max_new_tokens, temperature, seed), None, []
+        from draftsmith.decoding.engine import generate
+
+        rec = RecordingProposer(self.proposer) if self.proposer is not None else None
+        out = generate(self.model, ids, proposer=rec, max_new_tokens=max_new_tokens, temperature=temperature,
+                       num_draft_tokens=self.k or 1, seed=seed)
+        return out.token_ids, out.stats, rec.calls if rec is not None else []
+
+    def _hf(self, ids: torch.Tensor, max_new_tokens: int, temperature: float, seed: int) -> list[int]:
+        gen_cfg = self.model.generation_config
+        eos = gen_cfg.eos_token_id
+        pad = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else (
+            eos if isinstance(eos, int) else (eos[0] if eos else 0))
+        kw: dict[str, Any] = {"max_new_tokens": max_new_tokens, "pad_token_id": pad}
+        if temperature > 0:
+            torch.manual_seed(seed)
+            kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        else:
+            kw.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        if self.kind == "hf-prompt-lookup":
+            kw["prompt_lookup_num_tokens"] = self.k
+        with torch.inference_mode():
+            seq = self.model.generate(input_ids=ids[None], attention_mask=torch.ones_like(ids[None]), **kw)
+        return seq[0, ids.shape[0]:].tolist()
+
+
+def timed_run(row: Row, ids: torch.Tensor, max_new_tokens: int, temperature: float, seed: int) -> RunResult:
+    """Run ``row`` once on ``ids``, timing wall-clock (prefill included) and peak memory."""
+    device = ids.device
+    reset_peak_memory(device)
+    _sync(device)
+    t0 = time.perf_counter()
+    tokens, stats, calls = row(ids, max_new_tokens, temperature, seed)
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    rss, cuda = peak_memory(device)
+    return RunResult(tokens, seconds, stats, calls, rss, cuda)
+
+
+def measure_verify_costs(model: torch.nn.Module, context: Sequence[int], ns: Sequence[int],
+                         repeats: int = 9, warmup: int = 2) -> dict[int, float]:
+    """Median seconds of a verifier forward on n tokens after ``context`` is cached, for each n,
+    made non-decreasing in n by :func:`monotone_fit`.
+
+    The same call the engine makes (cache append, logits of n positions), rolled back
+    after each timing; n values are interleaved so drift spreads over all of them.
+    """
+    from transformers import DynamicCache
+
+    from draftsmith.decoding.engine import verifier_forward
+
+    device = next(model.parameters()).device
+    ctx = torch.as_tensor(list(context), dtype=torch.long, device=device)
+    probe = ctx[-max(ns):] if ctx.shape[0] >= max(ns) else ctx.repeat(max(ns) // ctx.shape[0] + 1)[:max(ns)]
+    times: dict[int, list[float]] = {n: [] for n in ns}
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        verifier_forward(model, ctx, cache, 1, ())
+        cache.activate_past_recording()
+        for rep in range(warmup + repeats):
+            for n in ns:
+                _sync(device)
+                t0 = time.perf_counter()
+                verifier_forward(model, probe[:n], cache, n, ())
+                _sync(device)
+                if rep >= warmup:
+                    times[n].append(time.perf_counter() - t0)
+                cache.crop(-n)
+    return monotone_fit({n: statistics.median(v) for n, v in times.items()})
+
+
+def measure_draft_costs(model: torch.nn.Module, proposer: Proposer, prompt: Sequence[int], ks: Sequence[int],
+                        max_new_tokens: int, temperature: float, seed: int) -> dict[int, float]:
+    """Median seconds of one propose call at each k, timed inside real generations.
+
+    The first call of a sequence is skipped: it includes one-off work (a draft
+    model's prompt prefill) that is not a per-round cost.
+    """
+    from draftsmith.decoding.engine import generate
+
+    device = next(model.parameters()).device
+    out: dict[int, float] = {}
+    for k in ks:
+        rec = RecordingProposer(proposer, timing=True, device=device)
+        generate(model, prompt, proposer=rec, max_new_tokens=max_new_tokens, temperature=temperature,
+                 num_draft_tokens=k, seed=seed)
+        times = [s for req, _, s in rec.calls[1:] if req == k] or [s for _, _, s in rec.calls]
+        if times:
+            out[k] = statistics.median(times)
+    return out
+
+
+def _load_eval_prompts(dataset: str, tokenizer: object, limit: int | None) -> list[tuple[str, list[int]]]:
+    """Eval prompts as ``(prompt id, token ids)`` from the dataset registry (first user turns)."""
+    from draftsmith.data.prompts import eval_set
+
+    return eval_set(dataset, tokenizer, limit)
+
+
+
+def _load_average() -> float | None:
+    """1-minute load average (None where the OS has none): other work on the machine skews timings."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def _environment() -> dict[str, Any]:
+    from draftsmith.utils import environment_info
+
+    env = environment_info()
+    try:
+        m = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
+        env["cpu_model"] = m.group(1).strip() if m else None
+    except OSError:
+        env["cpu_model"] = None
+    return env
+
+
+@dataclass
+class BenchState:
+    """Everything measured so far; the report is built from it, complete or not."""
+
+    rows: list[Row]
+    prompts: list[tuple[str, list[int]]]
+    results: dict[tuple[int, int], list[RunResult]] = field(default_factory=dict)  # (row, prompt) -> repeats
+    costs: CostModel | None = None
+    draft_per_call: dict[str, dict[int, float]] = field(default_factory=dict)
+    draft_fit: dict[str, tuple[float, float]] = field(default_factory=dict)
+    partial: bool = False
+    note: str = ""
+    started: float = field(default_factory=time.time)
+    load_at_start: float | None = field(default_factory=lambda: _load_average())
+
+
+def _build_rows(model: torch.nn.Module, proposers: dict[str, Proposer], ks: Sequence[int],
+                hf_reference: bool, hf_lookup_tokens: int | None) -> list[Row]:
+    rows = [Row("plain (ours)", "plain", model)]
+    for name, prop in proposers.items():
+        rows += [Row(f"{name} k={k}", "drafter", model, drafter=name, k=k, proposer=prop) for k in ks]
+    if hf_reference:
+        rows.append(Row("HF generate", "hf-generate", model))
+        k_hf = hf_lookup_tokens or max(ks)
+        rows.append(Row(f"HF prompt lookup k={k_hf}", "hf-prompt-lookup", model, k=k_hf))
+    return rows
+
+
+def measure_interleaved(state: BenchState, max_new_tokens: int, temperature: float, repeats: int,
+                        seed: int, progress: bool = True, warmup_tokens: int = 32) -> None:
+    """Warm every row up, then time every row on every prompt, interleaved per prompt.
+
+    The row order rotates from prompt to prompt so no row is always first (cold
+    caches) or last; results land in ``state`` as they come, so an interrupt keeps them.
+    """
+    from tqdm import tqdm
+
+    device = next(state.rows[0].model.parameters()).device
+    prompts = [torch.as_tensor(ids, dtype=torch.long, device=device) for _, ids in state.prompts]
+    n_rows = len(state.rows)
+    total = n_rows * (1 + repeats * len(prompts))
+    with tqdm(total=total, desc="bench", unit="run", disable=not progress, file=sys.stderr,
+              dynamic_ncols=True) as bar:
+        for row in state.rows:
+            bar.set_postfix_str(f"warm-up {row.name}")
+            row(prompts[0], min(warmup_tokens, max_new_tokens), temperature, seed)
+            bar.update()
+        for _ in range(repeats):
+            for p, ids in enumerate(prompts):
+                shift = p % n_rows
+                for r in list(range(shift, n_rows)) + list(range(shift)):
+                    bar.set_postfix_str(f"{state.rows[r].name} | prompt {p + 1}/{len(prompts)}")
+                    res = timed_run(state.rows[r], ids, max_new_tokens, temperature, seed + p)
+                    state.results.setdefault((r, p), []).append(res)
+                    bar.update()
+
+
+def measure_costs(state: BenchState, proposers: dict[str, Proposer], ks: Sequence[int], max_new_tokens: int,
+                  temperature: float, seed: int) -> None:
+    """Fill ``state.costs`` (T_verify(n)) and per-drafter propose costs for this machine and model."""
+    model = state.rows[0].model
+    prompt = state.prompts[0][1]
+    k_max = max(max(ks), 8)
+    limit = getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "max_position_embeddings",
+                    None)
+    # Measure at the mid-generation context length, where the average step happens.
+    target = len(prompt) + max_new_tokens // 2
+    if limit is not None:
+        target = min(target, limit - k_max - 2)
+    context = (prompt * (target // len(prompt) + 1))[:target]
+    state.costs = CostModel(measure_verify_costs(model, context, range(1, k_max + 2)), context_tokens=target)
+    cal_ks = sorted({1, max(ks)})
+    for name, prop in proposers.items():
+        per_call = measure_draft_costs(model, prop, prompt, cal_ks, min(max_new_tokens, 48), temperature, seed)
+        state.draft_per_call[name] = per_call
+        state.draft_fit[name] = fit_draft_cost(per_call)
+
+

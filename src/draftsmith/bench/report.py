@@ -1,0 +1,335 @@
+"""The bench report: one JSON with every number, a one-screen Markdown summary, plots."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from draftsmith.bench.costmodel import (DrafterProfile, best_k, break_even_alpha, limiting_term, predict)
+from draftsmith.bench.measure import BenchState, RunResult, _environment, _load_average
+from draftsmith.bench.stats import bootstrap_ci, paired_ratios, summarize
+from draftsmith.config import to_dict
+
+if TYPE_CHECKING:
+    from draftsmith.bench.run import BenchConfig
+
+PLOTS = ("acceptance.png", "speedup_vs_k.png", "tokens_per_second.png")
+
+
+def _pooled_acceptance(results: list[RunResult], k: int) -> dict[str, Any]:
+    """vLLM-style acceptance pooled over runs, plus the draft-length distribution at k."""
+    drafts = draft_tokens = 0
+    accepted_at = [0] * k
+    new_tokens = forwards = 0
+    lengths = [0] * (k + 1)
+    for res in results:
+        s = res.stats or {}
+        d = s.get("drafts", 0)
+        drafts += d
+        draft_tokens += s.get("draft_tokens", 0)
+        for i, p in enumerate(s.get("per_position_acceptance", [])[:k]):
+            accepted_at[i] += round(p * d)
+        new_tokens += s.get("new_tokens", 0)
+        forwards += s.get("verifier_forwards", 0)
+        for req, got, _ in res.draft_calls:
+            if req == k:
+                lengths[min(got, k)] += 1
+    accepted = sum(accepted_at)
+    rounds = forwards - len(results)  # the prefill forward emits the first token, not a round
+    calls = sum(lengths)
+    return {
+        "drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
+        "acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+        "per_position_acceptance": [a / drafts if drafts else 0.0 for a in accepted_at],
+        "tokens_per_round": (new_tokens - len(results)) / rounds if rounds > 0 else None,
+        "drafted_fraction": (calls - lengths[0]) / calls if calls else None,
+        "mean_draft_length": (sum(i * c for i, c in enumerate(lengths)) / (calls - lengths[0])
+                              if calls - lengths[0] > 0 else 0.0),
+        "length_counts": lengths,
+    }
+
+
+def _row_report(state: BenchState, r: int, cfg: BenchConfig) -> dict[str, Any] | None:
+    row = state.rows[r]
+    done = sorted(p for (rr, p) in state.results if rr == r)
+    if not done:
+        return None
+    tps = {p: statistics.median(x.tokens_per_second for x in state.results[(r, p)]) for p in done}
+    base = {p: statistics.median(x.tokens_per_second for x in state.results[(0, p)])
+            for p in done if (0, p) in state.results}
+    paired = [p for p in done if p in base]
+    runs = [x for p in done for x in state.results[(r, p)]]
+    ratios = paired_ratios([tps[p] for p in paired], [base[p] for p in paired])
+    out: dict[str, Any] = {
+        "name": row.name, "kind": row.kind, "drafter": row.drafter, "k": row.k,
+        "tokens_per_second": summarize(list(tps.values())),
+        "speedup": {"median": float(np.median(ratios)) if ratios else None,
+                    "ci95": list(bootstrap_ci(ratios, n_resamples=cfg.bootstrap, seed=cfg.seed)) if ratios else None,
+                    "n": len(ratios), "per_prompt": ratios},
+        "identical_output_rate": None, "identical_prompts": None,
+        "peak_rss_bytes": max((x.peak_rss for x in runs if x.peak_rss is not None), default=None),
+        "peak_cuda_bytes": max((x.peak_cuda for x in runs if x.peak_cuda is not None), default=None),
+        "per_prompt": [{"prompt": state.prompts[p][0], "prompt_tokens": len(state.prompts[p][1]),
+                        "new_tokens": len(state.results[(r, p)][0].token_ids),
+                        "seconds": [x.seconds for x in state.results[(r, p)]]} for p in done],
+    }
+    if cfg.temperature == 0 and paired:
+        same = [p for p in paired if state.results[(r, p)][0].token_ids == state.results[(0, p)][0].token_ids]
+        out["identical_output_rate"] = len(same) / len(paired)
+        out["identical_prompts"] = f"{len(same)}/{len(paired)}"
+    if row.kind == "drafter":
+        out["acceptance"] = _pooled_acceptance(runs, row.k)
+    return out
+
+
+def _break_even(state: BenchState, rows: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
+    """Per drafter: predicted speedup for every k, best k, predicted vs measured, the verdict."""
+    if state.costs is None:
+        return {}
+    out: dict[str, Any] = {}
+    for name in dict.fromkeys(r["drafter"] for r in rows if r["kind"] == "drafter"):
+        mine = sorted((r for r in rows if r["drafter"] == name), key=lambda r: r["k"])
+        basis = mine[-1]  # the longest drafts see the most positions
+        acc = basis["acceptance"]
+        profile = DrafterProfile(basis["k"], acc["per_position_acceptance"], acc["length_counts"])
+        fixed, per_token = state.draft_fit.get(name, (0.0, 0.0))
+        costs = dataclasses.replace(state.costs, draft_fixed=fixed, draft_per_token=per_token)
+        preds = [predict(profile, costs, k) for k in range(1, max(max(cfg.num_draft_tokens), 8) + 1)]
+        best = best_k([p for p in preds if not p.extrapolated] or preds)
+        measured = {r["k"]: r for r in mine if r["speedup"]["median"] is not None}
+        main = max(measured.values(), key=lambda r: r["speedup"]["median"]) if measured else None
+        entry: dict[str, Any] = {
+            "basis_k": basis["k"], "draft_fixed_seconds": fixed, "draft_per_token_seconds": per_token,
+            "draft_per_call_seconds": {str(k): v for k, v in state.draft_per_call.get(name, {}).items()},
+            "predicted": [dataclasses.asdict(p) for p in preds],
+            "best_k": best.k, "best_k_predicted_speedup": best.speedup,
+            "measured": {str(k): {"speedup": r["speedup"]["median"], "ci95": r["speedup"]["ci95"],
+                                  "predicted": preds[k - 1].speedup if k <= len(preds) else None}
+                         for k, r in measured.items()},
+        }
+        if main is not None:
+            k = main["k"]
+            pred = preds[k - 1]
+            s = main["speedup"]["median"]
+            entry.update({
+                "measured_k": k, "measured_speedup": s,
+                "factors": {"ideal": k + 1, "acceptance": pred.acceptance, "verify cost": pred.verify,
+                            "draft cost": pred.draft, "engine overhead (measured/predicted)": s / pred.speedup},
+                "held_back_by": limiting_term(pred),
+                "meets_target": s >= cfg.target_speedup,
+                "below_break_even": s < 1.0,
+                "break_even_alpha": break_even_alpha(k, costs.t1, costs.verify(k + 1),
+                                                     costs.draft(k) / k),
+                "measured_alpha": main["acceptance"]["acceptance_rate"],
+            })
+        out[name] = entry
+    return out
+
+
+def build_report(state: BenchState, cfg: BenchConfig, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
+    """All numbers of the run as one JSON-ready dict."""
+    rows = [r for r in (_row_report(state, i, cfg) for i in range(len(state.rows))) if r is not None]
+    c = state.costs
+    measured_prompts = {p for (_, p) in state.results}
+    return {
+        "partial": state.partial, "note": state.note,
+        "provenance": dict(provenance or {}),
+        "config": to_dict(cfg),
+        "environment": _environment(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(state.started)),
+        "seconds": time.time() - state.started,
+        "load_average": {"start": state.load_at_start, "end": _load_average()},
+        "prompts": {"requested": len(state.prompts), "measured": len(measured_prompts),
+                    "runs": sum(len(v) for v in state.results.values()),
+                    "prompt_tokens": summarize([len(ids) for _, ids in state.prompts])},
+        "rows": rows,
+        "costs": None if c is None else {
+            "context_tokens": c.context_tokens, "t1_seconds": c.t1,
+            "t_verify_seconds": {str(n): t for n, t in c.t_verify.items()}},
+        "break_even": _break_even(state, rows, cfg),
+    }
+
+
+def _fmt_bytes(n: int | None) -> str:
+    return "-" if not n else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def _fmt_ms(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s >= 1e-3 else f"{s * 1e6:.0f} µs"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """A table and a few lines a person reads in 10 seconds (well under one screen)."""
+    cfg, prov, env = report["config"], report["provenance"], report["environment"]
+    temp = "greedy" if cfg["temperature"] == 0 else f"temperature {cfg['temperature']}"
+    device = env.get("cuda") or f"{env.get('cpu_model') or env.get('processor')} ({env.get('torch_threads')} threads)"
+    lines = [f"# draftsmith bench: {prov.get('verifier', '?')} on {prov.get('dataset', cfg['dataset'])}", "",
+             f"{report['prompts']['measured']} prompts x {cfg['max_new_tokens']} new tokens, {temp}, "
+             f"{cfg['repeats']} repeat(s); {device}, {prov.get('dtype', '?')}; "
+             f"verifier {prov.get('fingerprint', '?')}"]
+    load, cpus = report["load_average"]["start"], env.get("cpu_count") or 1
+    if load is not None and load > 0.25 * cpus:
+        lines += ["", f"Note: the machine was busy at the start (load {load:.1f} on {cpus} CPUs); "
+                      "timings may be noisy."]
+    if report["partial"]:
+        lines += ["", f"**PARTIAL REPORT: {report['note']} after {report['prompts']['runs']} runs "
+                      f"({report['prompts']['measured']}/{report['prompts']['requested']} prompts).**"]
+    cuda = any(r["peak_cuda_bytes"] for r in report["rows"])
+    lines += ["", "| row | tok/s median [IQR] | speedup [95% CI] | acc. length | acc. rate | identical | "
+                  f"peak {'CUDA' if cuda else 'RSS'} |", "|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        t, s, acc = r["tokens_per_second"], r["speedup"], r.get("acceptance")
+        speed = "1.00x (baseline)" if r["kind"] == "plain" else (
+            f"{s['median']:.2f}x [{s['ci95'][0]:.2f}-{s['ci95'][1]:.2f}]" if s["median"] is not None else "-")
+        ident = "ref" if r["kind"] == "plain" else (
+            "n/a" if r["identical_output_rate"] is None else f"{100 * r['identical_output_rate']:.0f}%")
+        lines.append(f"| {r['name']} | {t['median']:.1f} [{t['p25']:.1f}-{t['p75']:.1f}] | {speed} | "
+                     + (f"{acc['acceptance_length']:.2f} | {acc['acceptance_rate']:.2f}" if acc else "- | -")
+                     + f" | {ident} | {_fmt_bytes(r['peak_cuda_bytes'] if cuda else r['peak_rss_bytes'])} |")
+    bad = [r for r in report["rows"] if r["kind"] in ("plain", "drafter") and r["identical_output_rate"] is not None
+           and r["identical_output_rate"] < 1.0]
+    for r in bad:
+        why = ("greedy speculative decoding in float32 must not: a bug" if prov.get("dtype") == "float32" else
+               "in low precision, verifying several tokens at once can flip near-ties; check with --dtype float32")
+        lines += ["", f"**WARNING: {r['name']} output equals plain decoding on only {r['identical_prompts']} "
+                      f"prompts; {why}.**"]
+    costs = report["costs"]
+    if costs:
+        tv = costs["t_verify_seconds"]
+        kk = max(cfg["num_draft_tokens"]) + 1
+        lines += ["", f"## Break-even (T(1) = {_fmt_ms(costs['t1_seconds'])}, T_verify({kk}) = "
+                      f"{_fmt_ms(tv[str(kk)])} at {costs['context_tokens']} cached tokens)", ""]
+    for name, be in report["break_even"].items():
+        if "measured_speedup" not in be:
+            continue
+        k, s, f = be["measured_k"], be["measured_speedup"], be["factors"]
+        pred = be["measured"][str(k)]["predicted"]
+        lo, hi = be["measured"][str(k)].get("ci95") or (None, None)
+        if lo is not None and lo <= 1.0 <= hi:  # the interval cannot tell it from plain decoding
+            head = f"no measurable effect ({s:.2f}x [{lo:.2f}-{hi:.2f}] at k={k})"
+        elif be["below_break_even"]:
+            head = f"this draft makes decoding slower by {100 * (1 - s):.0f}% ({s:.2f}x at k={k})"
+        else:
+            head = f"{s:.2f}x at k={k}"
+        line = (f"- **{name}**: {head}, predicted {pred:.2f}x; best predicted k = {be['best_k']} "
+                f"({be['best_k_predicted_speedup']:.2f}x). ")
+        acc = next(r for r in report["rows"] if r["drafter"] == name and r["k"] == k)["acceptance"]
+        if acc["drafted_fraction"] is not None and acc["drafted_fraction"] < 0.999:
+            line += (f"Drafted in {100 * acc['drafted_fraction']:.0f}% of rounds "
+                     f"(mean length {acc['mean_draft_length']:.1f}). ")
+        line += (f"Ideal {f['ideal']}x x acceptance {f['acceptance']:.2f} x verify cost {f['verify cost']:.2f} "
+                 f"x draft cost {f['draft cost']:.2f}; held back by **{be['held_back_by']}**")
+        if not be["meets_target"]:
+            ba = be["break_even_alpha"]
+            line += f"; target {cfg['target_speedup']:.2f}x missed"
+            # The alpha form assumes k tokens every round; skip it for drafters that often propose fewer.
+            if acc["drafted_fraction"] is None or acc["drafted_fraction"] >= 0.999:
+                line += (f"; break-even needs alpha >= {ba:.2f}, measured {be['measured_alpha']:.2f}" if ba
+                         else "; even perfect acceptance cannot pay for this draft cost" if ba is None else "")
+        lines.append(line + ".")
+    lines += ["", "Plots: " + ", ".join(f"[{p}]({p})" for p in PLOTS) + ". All numbers: report.json."]
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Per-position acceptance, speedup vs k (predicted and measured), tokens/s per row."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+
+    written = []
+    drafters = report["break_even"]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    title_tail = f"({report['provenance'].get('verifier', '')}, {report['provenance'].get('dataset', '')})"
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, name in enumerate(dict.fromkeys(r["drafter"] for r in report["rows"] if r["kind"] == "drafter")):
+        row = max((r for r in report["rows"] if r["drafter"] == name), key=lambda r: r["k"])
+        pos = row["acceptance"]["per_position_acceptance"]
+        ax.plot(range(1, len(pos) + 1), pos, "o-", color=colors[i % len(colors)], label=f"{name} (k={row['k']})")
+    ax.set(xlabel="draft position i", ylabel="acceptance at position i [fraction of drafts]",
+           title=f"Per-position acceptance {title_tail}", ylim=(0, 1.05))
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    written.append(out_dir / PLOTS[0])
+    fig.tight_layout()
+    fig.savefig(written[-1], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, (name, be) in enumerate(drafters.items()):
+        color = colors[i % len(colors)]
+        pred = be["predicted"]
+        inside = [p for p in pred if not p["extrapolated"]]
+        outside = [p for p in pred if p["extrapolated"]]
+        ax.plot([p["k"] for p in inside], [p["speedup"] for p in inside], "--", color=color,
+                label=f"{name} predicted (best k={be['best_k']}: *)")
+        if outside:  # beyond the measured k: acceptance continued geometrically
+            tail = inside[-1:] + outside
+            ax.plot([p["k"] for p in tail], [p["speedup"] for p in tail], ":", color=color)
+        ax.plot([be["best_k"]], [be["best_k_predicted_speedup"]], "*", ms=12, color=color)
+        m = be["measured"]
+        if m:
+            mk = sorted(int(k) for k in m)
+            med = [m[str(k)]["speedup"] for k in mk]
+            err = [[med[j] - m[str(k)]["ci95"][0] for j, k in enumerate(mk)],
+                   [m[str(k)]["ci95"][1] - med[j] for j, k in enumerate(mk)]]
+            ax.errorbar(mk, med, yerr=err, fmt="o", color=color, capsize=3, label=f"{name} measured (95% CI)")
+    ax.axhline(1.0, color="gray", lw=1, label="break-even (plain decoding)")
+    ax.set(xlabel="draft length k [tokens]  (dotted: extrapolated beyond the measured k)",
+           ylabel="speedup over plain decoding [x]", title=f"Speedup vs draft length {title_tail}")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    written.append(out_dir / PLOTS[1])
+    fig.tight_layout()
+    fig.savefig(written[-1], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+    rows = report["rows"]
+    fig, ax = plt.subplots(figsize=(6.4, 0.9 + 0.45 * max(len(rows), 1)))
+    med = [r["tokens_per_second"]["median"] for r in rows]
+    err = [[m - r["tokens_per_second"]["p25"] for m, r in zip(med, rows)],
+           [r["tokens_per_second"]["p75"] - m for m, r in zip(med, rows)]]
+    kind_color = {"plain": "gray", "drafter": colors[0], "hf-generate": colors[1], "hf-prompt-lookup": colors[1]}
+    ax.barh(range(len(rows)), med, xerr=err, capsize=3, color=[kind_color[r["kind"]] for r in rows])
+    ax.set_yticks(range(len(rows)), [r["name"] for r in rows])
+    ax.invert_yaxis()
+    if rows and rows[0]["kind"] == "plain":
+        ax.axvline(med[0], color="gray", ls="--", lw=1)
+    from matplotlib.patches import Patch
+
+    for y, m in enumerate(med):
+        ax.annotate(f"{m:.1f}", (m, y), xytext=(4, 4), textcoords="offset points", fontsize="small")
+    ax.set_xlim(0, max(r["tokens_per_second"]["p75"] for r in rows) * 1.15)
+    ax.legend(handles=[Patch(color="gray", label="plain (ours)"), Patch(color=colors[0], label="drafters (ours)"),
+                       Patch(color=colors[1], label="HF transformers")], fontsize="small", ncol=3,
+              loc="upper center", bbox_to_anchor=(0.5, -0.22 - 0.3 / max(len(rows), 1)))
+    ax.set(xlabel="throughput [tokens/s], median over prompts (whiskers: IQR)", title=f"Tokens/s {title_tail}")
+    ax.grid(axis="x", alpha=0.3)
+    written.append(out_dir / PLOTS[2])
+    fig.tight_layout()
+    fig.savefig(written[-1], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return written
+
+
+def write_report(report: dict[str, Any], out_dir: Path) -> None:
+    """report.json (everything), report.md (one screen) and the PNG plots under ``out_dir``."""
+    from draftsmith.utils import atomic_write_bytes, atomic_write_json
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out_dir / "report.json", report)
+    if report["rows"]:
+        write_plots(report, out_dir)
+    atomic_write_bytes(out_dir / "report.md", render_markdown(report).encode())

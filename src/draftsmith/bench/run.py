@@ -1,0 +1,133 @@
+"""`draftsmith bench`: its configuration, and one function that measures and writes the report."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.bench.measure import BenchState, _build_rows, _load_eval_prompts, measure_costs, measure_interleaved
+from draftsmith.bench.report import build_report, render_markdown, write_report
+from draftsmith.config import opt
+from draftsmith.decoding.proposers import Proposer
+from draftsmith.drafters import DRAFTER_HELP
+from draftsmith.errors import DraftsmithError
+
+EVAL_DATASETS = ("mt-bench", "humaneval")
+
+
+@dataclass
+class BenchConfig:
+    """Measure drafters against plain decoding: speedup, acceptance, break-even; write a report."""
+
+    verifier: str = opt(help="verifier: HF model dir, .gguf file, or alias (smollm2-135m)")
+    out: Path = opt(help="output directory for report.json, report.md and plots")
+    drafter: list[str] = opt(default_factory=list, help=f"drafter(s) to measure, repeatable: {DRAFTER_HELP}")
+    draft: list[str] = opt(default_factory=list, help="EAGLE-3 draft directory(ies) to measure, repeatable")
+    dataset: str = opt("mt-bench", "eval prompts: mt-bench (first turns), humaneval, or a JSONL file")
+    num_prompts: int = opt(20, "number of prompts (the first N of the dataset)")
+    max_new_tokens: int = opt(128, "new tokens per prompt")
+    num_draft_tokens: list[int] = opt(default_factory=lambda: [5],
+                                      help="k, tokens drafted per round; several values are swept")
+    temperature: float = opt(0.0, "0 = greedy (outputs must equal plain decoding); > 0 samples")
+    repeats: int = opt(1, "timed passes over all prompts (per-prompt median is used)")
+    warmup_tokens: int = opt(32, "new tokens of the untimed warm-up run of every row")
+    hf_reference: bool = opt(True, "also measure HF transformers generate and HF prompt lookup")
+    hf_lookup_tokens: int | None = opt(None, "HF prompt_lookup_num_tokens (default: the largest k)")
+    target_speedup: float = opt(1.0, "speedup a drafter should reach; the report explains a miss")
+    bootstrap: int = opt(2000, "bootstrap resamples for the speedup confidence interval")
+    seed: int = opt(0, "seed for sampling and the bootstrap")
+    threads: int | None = opt(None, "torch CPU threads (default: torch's choice); pin it on a shared machine")
+    dtype: str = opt("auto", "model dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
+    device: str = opt("auto", "device: auto, cpu, cuda, cuda:N")
+    progress: bool = opt(True, "show a progress bar")
+
+    def __post_init__(self) -> None:
+        if not self.drafter and not self.draft:
+            raise DraftsmithError("give at least one --drafter or --draft to measure")
+        for d in self.draft:
+            if not Path(d).is_dir():
+                raise DraftsmithError(f"--draft {d!r}: not a directory")
+        if self.dataset not in EVAL_DATASETS and not Path(self.dataset).is_file():
+            raise DraftsmithError(f"--dataset {self.dataset!r}: expected one of {list(EVAL_DATASETS)} "
+                                  "or an existing JSONL file")
+        for name in ("num_prompts", "max_new_tokens", "repeats", "warmup_tokens", "bootstrap"):
+            if getattr(self, name) < 1:
+                raise DraftsmithError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not self.num_draft_tokens or min(self.num_draft_tokens) < 1:
+            raise DraftsmithError(f"--num-draft-tokens must be integers >= 1, got {self.num_draft_tokens}")
+        self.num_draft_tokens = sorted(set(self.num_draft_tokens))
+        if self.hf_lookup_tokens is not None and self.hf_lookup_tokens < 1:
+            raise DraftsmithError(f"--hf-lookup-tokens must be >= 1, got {self.hf_lookup_tokens}")
+        if self.temperature < 0:
+            raise DraftsmithError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.threads is not None and self.threads < 1:
+            raise DraftsmithError(f"--threads must be >= 1, got {self.threads}")
+        if self.target_speedup <= 0:
+            raise DraftsmithError(f"--target-speedup must be > 0, got {self.target_speedup}")
+
+
+
+
+def benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], proposers: dict[str, Proposer],
+              cfg: BenchConfig, out_dir: Path, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Measure every row and write the report (partial on Ctrl-C, which is re-raised).
+
+    Args:
+        model: the verifier.
+        prompts: ``(id, token ids)`` eval prompts.
+        proposers: drafter label -> proposer.
+        cfg: run settings (k sweep, repeats, temperature, ...).
+        out_dir: where report.json, report.md and the plots go.
+        provenance: verifier spec and fingerprint, command line, dataset name.
+
+    Returns:
+        The report as written to ``report.json``.
+    """
+    rows = _build_rows(model, proposers, cfg.num_draft_tokens, cfg.hf_reference, cfg.hf_lookup_tokens)
+    state = BenchState(rows, prompts)
+    param = next(model.parameters())
+    provenance = {**(provenance or {}), "dtype": str(param.dtype).removeprefix("torch."), "device": str(param.device)}
+    try:
+        if cfg.progress:
+            print("bench: measuring verifier and draft step costs ...", file=sys.stderr)
+        measure_costs(state, proposers, cfg.num_draft_tokens, cfg.max_new_tokens, cfg.temperature, cfg.seed)
+        measure_interleaved(state, cfg.max_new_tokens, cfg.temperature, cfg.repeats, cfg.seed,
+                            progress=cfg.progress, warmup_tokens=cfg.warmup_tokens)
+    except KeyboardInterrupt:
+        state.partial, state.note = True, "interrupted (Ctrl-C)"
+        write_report(build_report(state, cfg, provenance), out_dir)
+        raise
+    report = build_report(state, cfg, provenance)
+    write_report(report, out_dir)
+    return report
+
+
+def run_bench(cfg: BenchConfig) -> int:
+    """CLI entry: load the verifier, prompts and drafters, measure, write the report."""
+    from draftsmith.drafters import build_proposer
+    from draftsmith.models.verifier import load_verifier
+    from draftsmith.utils import command_line
+
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    model, tokenizer, fp = load_verifier(cfg.verifier, dtype=cfg.dtype, device=cfg.device)
+    prompts = _load_eval_prompts(cfg.dataset, tokenizer, cfg.num_prompts)
+    proposers: dict[str, Proposer] = {}
+    for spec in cfg.drafter:
+        proposers[spec] = build_proposer(spec, model, tokenizer, dtype=cfg.dtype)
+    for d in cfg.draft:
+        proposers[f"eagle3:{Path(d).name}"] = build_proposer(d, model, tokenizer, dtype=cfg.dtype)
+    provenance = {"verifier": cfg.verifier, "fingerprint": fp, "command": command_line(), "dataset": cfg.dataset}
+    try:
+        report = benchmark(model, prompts, proposers, cfg, Path(cfg.out), provenance)
+    except KeyboardInterrupt:
+        print(f"bench: partial report written to {cfg.out}/report.md", file=sys.stderr)
+        raise
+    print(render_markdown(report))
+    return 0
+
+
