@@ -186,6 +186,8 @@ def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
     assert len(names) == 1 + 3 * 2 + 2
     for r in report["rows"]:
         assert r["identical_output_rate"] == 1.0, r["name"]  # greedy: every row reproduces plain decoding
+        if r["kind"] != "plain":  # ... and the tie-aware verdict says so
+            assert r["outputs"] == {"identical": 2, "tie": 0, "mismatch": 0, "divergences": []}, r["name"]
         assert r["tokens_per_second"]["n"] == 2 and r["speedup"]["n"] == 2
         assert r["peak_rss_bytes"] > 0
     for k in (2, 3):  # 10 tokens = 1 + 3 * (2 + 1) = 1 + 2 * (3 + 1) + 1 (a last round without drafts)
@@ -203,14 +205,22 @@ def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
     wrong = report["break_even"]["wrong"]
     wrong.update(measured_speedup=0.8, below_break_even=True, meets_target=False)
     wrong["measured"][str(wrong["measured_k"])]["ci95"] = [0.75, 0.85]
-    report["rows"][1]["identical_output_rate"], report["rows"][1]["identical_prompts"] = 0.5, "1/2"
+    mismatch = {"prompt": "p0", "kind": "mismatch", "position": 3, "reference_token": 5, "candidate_token": 9,
+                "margin": 4.0, "gap": 4.0, "margin_float32": 4.0, "tolerance": 1e-5, "reason": "token 3: far below"}
+    tie = {**mismatch, "prompt": "p1", "kind": "tie", "margin": 0.125, "gap": 0.125, "margin_float32": 0.05,
+           "tolerance": 0.5, "reason": ""}
+    report["rows"][1]["outputs"] = {"identical": 0, "tie": 1, "mismatch": 1, "divergences": [mismatch, tie]}
+    report["rows"][2]["outputs"] = {"identical": 1, "tie": 1, "mismatch": 0, "divergences": [tie]}
     md = bench_report.render_markdown(report)
     assert "this draft makes decoding slower by 20% (0.80x at k=" in md
     # an interval that holds 1.0 is reported as no measurable effect, not as "slower by 1%"
     wrong.update(measured_speedup=0.99)
     wrong["measured"][str(wrong["measured_k"])]["ci95"] = [0.95, 1.03]
     assert "wrong**: no measurable effect (0.99x [0.95-1.03] at k=" in bench_report.render_markdown(report)
-    assert "WARNING: ngram k=2 output equals plain decoding on only 1/2 prompts" in md and "a bug" in md
+    assert "MISMATCH: ngram k=2 leaves plain decoding on 1 prompt(s)" in md and "a bug" in md
+    assert "| ngram k=2 |" in md and " | 0 / 1 / 1 | " in md
+    assert "ngram k=3 parts from plain decoding at a numerical tie on 1 prompt(s) (largest margin 0.125" in md
+    assert "MISMATCH: ngram k=3" not in md
     assert len(md.splitlines()) <= 40
 
 

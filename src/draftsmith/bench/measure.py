@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import torch
 
 from draftsmith.bench.costmodel import CostModel, fit_draft_cost, monotone_fit
+from draftsmith.bench.verdict import OutputVerdict, compare_outputs, model_scorer
 from draftsmith.decoding.proposers import DraftContext, Proposal, Proposer
 from draftsmith.decoding.sampling import SamplingParams
 
@@ -252,6 +253,7 @@ class BenchState:
     costs: CostModel | None = None
     draft_per_call: dict[str, dict[int, float]] = field(default_factory=dict)
     draft_fit: dict[str, tuple[float, float]] = field(default_factory=dict)
+    verdicts: dict[tuple[int, int], OutputVerdict] = field(default_factory=dict)  # (row, prompt), greedy only
     partial: bool = False
     note: str = ""
     started: float = field(default_factory=time.time)
@@ -320,3 +322,24 @@ def measure_costs(state: BenchState, proposers: dict[str, Proposer], ks: Sequenc
         state.draft_fit[name] = fit_draft_cost(per_call)
 
 
+
+
+def judge_outputs(state: BenchState, model: torch.nn.Module) -> None:
+    """Greedy runs: classify every row's output on every prompt against plain decoding
+    (identical / tie / mismatch, :mod:`draftsmith.bench.verdict`) into ``state.verdicts``.
+
+    Divergences are rescored with ``model`` in its own dtype and, when that is not
+    float32, with a float32 copy made on the first divergence only.
+    """
+    dtype = next(model.parameters()).dtype
+    score, fp32 = model_scorer(model), None
+    for (r, p), runs in sorted(state.results.items()):
+        if r == 0 or (0, p) not in state.results or (r, p) in state.verdicts:
+            continue
+        ref, cand = state.results[(0, p)][0].token_ids, runs[0].token_ids
+        if ref != cand and dtype != torch.float32 and fp32 is None:
+            import copy
+
+            fp32 = model_scorer(copy.deepcopy(model).float())
+        state.verdicts[(r, p)] = compare_outputs(state.prompts[p][1], ref, cand, score=score, dtype=dtype,
+                                                 score_float32=fp32)

@@ -13,6 +13,7 @@ import numpy as np
 from draftsmith.bench.costmodel import (DrafterProfile, best_k, break_even_alpha, limiting_term, predict)
 from draftsmith.bench.measure import BenchState, RunResult, _environment, _load_average
 from draftsmith.bench.stats import bootstrap_ci, paired_ratios, summarize
+from draftsmith.bench.verdict import TIE_ULPS, count_kinds
 from draftsmith.config import to_dict
 
 if TYPE_CHECKING:
@@ -71,8 +72,8 @@ def _row_report(state: BenchState, r: int, cfg: BenchConfig) -> dict[str, Any] |
         "tokens_per_second": summarize(list(tps.values())),
         "speedup": {"median": float(np.median(ratios)) if ratios else None,
                     "ci95": list(bootstrap_ci(ratios, n_resamples=cfg.bootstrap, seed=cfg.seed)) if ratios else None,
-                    "n": len(ratios), "per_prompt": ratios},
-        "identical_output_rate": None, "identical_prompts": None,
+                    "n": len(ratios), "per_prompt": ratios, "prompts": [state.prompts[p][0] for p in paired]},
+        "identical_output_rate": None, "identical_prompts": None, "outputs": None,
         "peak_rss_bytes": max((x.peak_rss for x in runs if x.peak_rss is not None), default=None),
         "peak_cuda_bytes": max((x.peak_cuda for x in runs if x.peak_cuda is not None), default=None),
         "per_prompt": [{"prompt": state.prompts[p][0], "prompt_tokens": len(state.prompts[p][1]),
@@ -83,6 +84,11 @@ def _row_report(state: BenchState, r: int, cfg: BenchConfig) -> dict[str, Any] |
         same = [p for p in paired if state.results[(r, p)][0].token_ids == state.results[(0, p)][0].token_ids]
         out["identical_output_rate"] = len(same) / len(paired)
         out["identical_prompts"] = f"{len(same)}/{len(paired)}"
+        verdicts = {p: state.verdicts[(r, p)] for p in paired if (r, p) in state.verdicts}
+        if verdicts:
+            out["outputs"] = {**count_kinds(list(verdicts.values())),
+                              "divergences": [{"prompt": state.prompts[p][0], **v.to_dict()}
+                                              for p, v in verdicts.items() if v.kind != "identical"]}
     if row.kind == "drafter":
         out["acceptance"] = _pooled_acceptance(runs, row.k)
     return out
@@ -160,6 +166,15 @@ def _fmt_bytes(n: int | None) -> str:
     return "-" if not n else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
+def _fmt_outputs(row: dict[str, Any]) -> str:
+    if row["kind"] == "plain":
+        return "ref"
+    o = row.get("outputs")
+    if o:
+        return f"{o['identical']} / {o['tie']} / {o['mismatch']}"
+    return "n/a" if row["identical_output_rate"] is None else f"{row['identical_prompts']} identical"
+
+
 def _fmt_ms(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s >= 1e-3 else f"{s * 1e6:.0f} µs"
 
@@ -181,24 +196,31 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", f"**PARTIAL REPORT: {report['note']} after {report['prompts']['runs']} runs "
                       f"({report['prompts']['measured']}/{report['prompts']['requested']} prompts).**"]
     cuda = any(r["peak_cuda_bytes"] for r in report["rows"])
-    lines += ["", "| row | tok/s median [IQR] | speedup [95% CI] | acc. length | acc. rate | identical | "
-                  f"peak {'CUDA' if cuda else 'RSS'} |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "| row | tok/s median [IQR] | speedup [95% CI] | acc. length | acc. rate | "
+                  f"outputs: identical / tie / mismatch | peak {'CUDA' if cuda else 'RSS'} |",
+              "|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         t, s, acc = r["tokens_per_second"], r["speedup"], r.get("acceptance")
         speed = "1.00x (baseline)" if r["kind"] == "plain" else (
             f"{s['median']:.2f}x [{s['ci95'][0]:.2f}-{s['ci95'][1]:.2f}]" if s["median"] is not None else "-")
-        ident = "ref" if r["kind"] == "plain" else (
-            "n/a" if r["identical_output_rate"] is None else f"{100 * r['identical_output_rate']:.0f}%")
         lines.append(f"| {r['name']} | {t['median']:.1f} [{t['p25']:.1f}-{t['p75']:.1f}] | {speed} | "
                      + (f"{acc['acceptance_length']:.2f} | {acc['acceptance_rate']:.2f}" if acc else "- | -")
-                     + f" | {ident} | {_fmt_bytes(r['peak_cuda_bytes'] if cuda else r['peak_rss_bytes'])} |")
-    bad = [r for r in report["rows"] if r["kind"] in ("plain", "drafter") and r["identical_output_rate"] is not None
-           and r["identical_output_rate"] < 1.0]
-    for r in bad:
-        why = ("greedy speculative decoding in float32 must not: a bug" if prov.get("dtype") == "float32" else
-               "in low precision, verifying several tokens at once can flip near-ties; check with --dtype float32")
-        lines += ["", f"**WARNING: {r['name']} output equals plain decoding on only {r['identical_prompts']} "
-                      f"prompts; {why}.**"]
+                     + f" | {_fmt_outputs(r)} | {_fmt_bytes(r['peak_cuda_bytes'] if cuda else r['peak_rss_bytes'])} |")
+    for r in report["rows"]:
+        o = r.get("outputs")
+        if not o or not (o["tie"] or o["mismatch"]):
+            continue
+        worst = max((d for d in o["divergences"] if d["kind"] == "tie"), key=lambda d: d["margin"], default=None)
+        if o["mismatch"]:
+            first = next(d for d in o["divergences"] if d["kind"] == "mismatch")
+            lines += ["", f"**MISMATCH: {r['name']} leaves plain decoding on {o['mismatch']} prompt(s) where no "
+                          f"rounding explains it (first: prompt {first['prompt']}, {first['reason']}). This is a "
+                          "bug in the decoding, not a numerical tie.**"]
+        if worst is not None:
+            lines += ["", f"Note: {r['name']} parts from plain decoding at a numerical tie on {o['tie']} prompt(s) "
+                          f"(largest margin {worst['margin']:.3g}, float32 {worst['margin_float32']:.3g}, tolerance "
+                          f"{worst['tolerance']:.3g} = {TIE_ULPS:g} ulps of {prov.get('dtype', '?')}): verifying "
+                          "several tokens at once rounds differently from one at a time; identical up to ties."]
     costs = report["costs"]
     if costs:
         tv = costs["t_verify_seconds"]

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from draftsmith.bench.measure import BenchState, _build_rows, _load_eval_prompts, measure_costs, measure_interleaved
+from draftsmith.bench.measure import (BenchState, _build_rows, _load_eval_prompts, judge_outputs, measure_costs,
+                                      measure_interleaved)
 from draftsmith.bench.report import build_report, render_markdown, write_report
 from draftsmith.config import opt
 from draftsmith.decoding.proposers import Proposer
@@ -97,6 +98,8 @@ def benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], prop
         measure_costs(state, proposers, cfg.num_draft_tokens, cfg.max_new_tokens, cfg.temperature, cfg.seed)
         measure_interleaved(state, cfg.max_new_tokens, cfg.temperature, cfg.repeats, cfg.seed,
                             progress=cfg.progress, warmup_tokens=cfg.warmup_tokens)
+        if cfg.temperature == 0:
+            judge_outputs(state, model)
     except KeyboardInterrupt:
         state.partial, state.note = True, "interrupted (Ctrl-C)"
         write_report(build_report(state, cfg, provenance), out_dir)

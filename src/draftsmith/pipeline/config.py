@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from draftsmith.config import from_dict, load_yaml, opt
 from draftsmith.errors import DraftsmithError
+from draftsmith.gate import GateSection
 
 
 @dataclass
@@ -90,15 +91,6 @@ class BenchSection:
         if self.dataset == "self":  # checked here, not after hours of training
             raise DraftsmithError("bench.dataset: 'self' writes training prompts; measure on held-out prompts "
                                   "(mt-bench, humaneval or a JSONL file)")
-
-
-@dataclass
-class GateSection:
-    """When a draft is deployable."""
-
-    min_speedup: float = opt(1.2, "smallest measured median speedup over plain decoding that passes")
-    require_identical: bool = opt(True, "greedy outputs must equal plain decoding on every prompt")
-    not_worse_than_previous: bool = opt(True, "a previous draft of the same verifier must not be faster")
 
 
 @dataclass

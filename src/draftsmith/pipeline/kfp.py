@@ -206,12 +206,12 @@ def _components(base_image: str, packages: list[str], install_kfp: bool) -> dict
         import json
         from pathlib import Path
 
-        from draftsmith.pipeline import steps
+        from draftsmith.gate import gate as judge
         from draftsmith.pipeline.kfp import config_from_json, log_metrics
 
         cfg = config_from_json(config_json)
         measured = json.loads((Path(report.path) / "summary.json").read_text())
-        result = steps.gate(measured["summary"], measured.get("previous"), cfg.gate)
+        result = judge(measured["summary"], measured.get("previous"), cfg.gate)
         Path(reasons).write_text("; ".join(result["reasons"]))
         Path(verdict).write_text(json.dumps(result))
         log_metrics(metrics, {**result, "passed": float(result["passed"])})

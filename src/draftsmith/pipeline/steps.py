@@ -17,8 +17,9 @@ import torch
 
 from draftsmith.config import to_dict
 from draftsmith.errors import DraftsmithError
+from draftsmith.gate import summarize_drafter
 from draftsmith.pipeline.cache import file_digest
-from draftsmith.pipeline.config import BenchSection, DataSection, GateSection, PipelineConfig, TrainSection
+from draftsmith.pipeline.config import BenchSection, DataSection, PipelineConfig, TrainSection
 
 
 def data_dtype(dtype: str, device: str) -> str:
@@ -190,46 +191,6 @@ def bench(v: Verifier, drafts: dict[str, Path], section: BenchSection, work: Pat
             "previous": summarize_drafter(report, "previous") if "previous" in drafts else None}
 
 
-def summarize_drafter(report: dict[str, Any], label: str) -> dict[str, Any] | None:
-    """The drafter's best measured row: k, median speedup (and CI), acceptance, identical rate."""
-    rows = [r for r in report.get("rows", []) if r.get("drafter") == label and r["speedup"]["median"] is not None]
-    if not rows:
-        return None
-    best = max(rows, key=lambda r: r["speedup"]["median"])
-    hf = [r for r in report["rows"] if r["kind"] == "hf" and r["speedup"]["median"]]
-    be = report.get("break_even", {}).get(label, {})
-    return {"k": best["k"], "speedup": best["speedup"]["median"], "speedup_ci95": best["speedup"]["ci95"],
-            "acceptance_length": best["acceptance"]["acceptance_length"],
-            "per_position_acceptance": best["acceptance"]["per_position_acceptance"],
-            "identical_output_rate": best["identical_output_rate"],
-            "tokens_per_second": best["tokens_per_second"]["median"],
-            "predicted_speedup": be.get("measured", {}).get(str(best["k"]), {}).get("predicted"),
-            "held_back_by": be.get("held_back_by"), "recommended_k": be.get("best_k"),
-            "vs_hf": {r["name"]: best["tokens_per_second"]["median"] / r["tokens_per_second"]["median"]
-                      for r in hf if r["tokens_per_second"]["median"]}}
-
-
-def gate(candidate: dict[str, Any] | None, previous: dict[str, Any] | None, section: GateSection) -> dict[str, Any]:
-    """The deploy verdict: measured speedup, identical outputs, not worse than the previous draft."""
-    reasons: list[str] = []
-    if candidate is None:
-        return {"passed": False, "speedup": None, "acceptance_length": None,
-                "reasons": ["the draft was not measured (bench produced no row for it)"]}
-    s, al, same = candidate["speedup"], candidate["acceptance_length"], candidate["identical_output_rate"]
-    if s < section.min_speedup:
-        pct = round(100 * (1 - s))
-        slower = f" (it makes decoding {pct}% slower)" if pct > 0 else ""
-        reasons.append(f"measured speedup {s:.2f}x is below the gate's {section.min_speedup:.2f}x{slower}")
-    if section.require_identical and same is not None and same < 1.0:
-        reasons.append(f"greedy outputs differ from plain decoding on {100 * (1 - same):.0f}% of prompts")
-    if section.not_worse_than_previous and previous is not None and previous["speedup"] > s:
-        reasons.append(f"the previous draft is faster on this verifier ({previous['speedup']:.2f}x vs {s:.2f}x)")
-    passed = not reasons
-    if passed:
-        reasons.append(f"measured speedup {s:.2f}x >= {section.min_speedup:.2f}x with identical greedy outputs")
-    return {"passed": passed, "speedup": s, "acceptance_length": al, "k": candidate["k"], "reasons": reasons}
-
-
 def export_k(cfg: PipelineConfig) -> int:
     """The draft length k written into the exported draft: ``num_draft_tokens``, else the largest k measured."""
     return cfg.num_draft_tokens or max(cfg.bench.num_draft_tokens)
@@ -244,7 +205,7 @@ def export_metadata(cfg: PipelineConfig, trained: dict[str, Any], tokens: int | 
         cfg: the pipeline configuration.
         trained: :func:`train`'s result (``steps``, ``best_val_acceptance_length``, ``train_seconds``).
         tokens: captured training tokens.
-        bench_summary: :func:`summarize_drafter` of the candidate.
+        bench_summary: :func:`draftsmith.gate.summarize_drafter` of the candidate.
         verdict: :func:`gate`'s verdict.
         mode: what ran the pipeline ("pipeline", "refresh", "kubeflow").
         report: where the pipeline's report is.
