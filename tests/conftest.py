@@ -127,10 +127,35 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 SPECIALS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]  # ids 0, 1, 2: conftest's bos 0, eos = pad = 1
 
 
-def save_tiny_chat_verifier(path: Path, layers: int = 8) -> Path:
+def echo_model(vocab: int, layers: int = 8, hidden: int = 256, seed: int = 0) -> torch.nn.Module:
+    """A Llama whose greedy output repeats its last input token: a verifier a draft can match.
+
+    The layers' weights are small, so the residual stream stays close to the token's
+    embedding, and the output head is the embedding matrix: the logits are the
+    similarity of the current token to every token, highest for itself. Wide enough
+    (hidden 256) that a verifier forward costs several times a draft step, so a draft
+    that learns the echo is measurably faster (the gate's pass path in tests).
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0,
+                      eos_token_id=1, pad_token_id=1, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, (1.0 if "embed" in name else 0.05) / p.shape[-1] ** 0.5 * (hidden ** 0.5 if "embed" in name else 1.0))
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+    return model.eval()
+
+
+def save_tiny_chat_verifier(path: Path, layers: int = 8, echo: bool = False) -> Path:
     """A byte-level tokenizer with a ChatML template and a random tiny Llama, saved as an HF directory.
 
-    8 layers: the default aux layers [2, n//2, n-3] must be distinct.
+    8 layers: the default aux layers [2, n//2, n-3] must be distinct. ``echo``: the
+    verifier is :func:`echo_model` (predictable and slow enough for a draft to pay).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -142,5 +167,5 @@ def save_tiny_chat_verifier(path: Path, layers: int = 8) -> Path:
     tok.add_special_tokens(SPECIALS)
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
                             pad_token="<|endoftext|>", chat_template=CHATML).save_pretrained(path)
-    tiny_model("llama", vocab=len(vocab), layers=layers).save_pretrained(path)
+    (echo_model(len(vocab), layers) if echo else tiny_model("llama", vocab=len(vocab), layers=layers)).save_pretrained(path)
     return path

@@ -147,7 +147,7 @@ def run_export(cfg: ExportConfig) -> int:
     previous = read_provenance(cfg.draft) or {}
     verifier = fp = layers = None
     if cfg.verifier is not None:
-        verifier, _, fp = load_verifier(cfg.verifier, dtype="float32", device="cpu")
+        verifier, _, fp = load_verifier(cfg.verifier, dtype="auto", device="auto")  # shapes and fingerprint only
         layers = verifier.config.get_text_config().num_hidden_layers
     draft = read_draft(cfg.draft, verifier_layers=layers)
     old_verifier = previous.get("verifier") or {}

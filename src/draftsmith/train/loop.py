@@ -338,7 +338,7 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
     dist = _Dist(cfg.device)
     out = Path(cfg.out)
     if verifier is None:
-        verifier, _, fingerprint = load_verifier(cfg.verifier, dtype="float32", device="cpu")
+        verifier, _, fingerprint = load_verifier(cfg.verifier, dtype="auto", device=dist.device)
     if samples is None:
         if not cfg.data:
             raise DraftsmithError("--data is required (a directory of captured shards)")
