@@ -93,14 +93,7 @@ def run_data(cfg: Any) -> int:
 
     out = Path(cfg.out)
     v = steps.Verifier(cfg.verifier, steps.data_dtype(cfg.dtype, cfg.device), cfg.device)
-    cache = StepCache(out / "steps")
-    data = steps.regeneration_key(cfg)
-    p = cache.run("prompts", steps.prompts_key(cfg, v), lambda w: steps.prompts(cfg, w, v))
-    r = cache.run("regenerate", {"fp": v.fingerprint, "prompts": p["sha"], "data": data},
-                  lambda w: steps.regenerate(v, Path(p["path"]), cfg, w))
-    c = cache.run("capture", {"fp": v.fingerprint, "regenerated": r["sha"], **steps.capture_key(cfg),
-                              "dtype": v.dtype},
-                  lambda w: steps.capture(v, Path(r["path"]), cfg, w))
+    _, r, c = steps.run_data_steps(StepCache(out / "steps"), cfg, v, v.fingerprint)
     link = out / "shards"
     if link.is_symlink() or link.exists():
         link.unlink()

@@ -23,6 +23,7 @@ import numpy as np
 
 from draftsmith.bench.stats import bootstrap_ci
 from draftsmith.config import opt
+from draftsmith.errors import DraftsmithError
 
 
 @dataclass
@@ -34,6 +35,10 @@ class GateSection:
     strict: bool = opt(False, "refuse outputs that part from plain decoding even at a numerical tie (the exact "
                               "rule; right in float32, too strict in bfloat16); a mismatch always fails")
     not_worse_than_previous: bool = opt(True, "a previous draft of the same verifier must not be faster")
+
+    def __post_init__(self) -> None:
+        if self.min_speedup <= 0:
+            raise DraftsmithError(f"--min-speedup must be > 0, got {self.min_speedup}")
 
 
 def choose_k(rows: list[dict[str, Any]], n_resamples: int = 2000, seed: int = 0) -> dict[str, Any] | None:

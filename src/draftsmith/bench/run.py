@@ -21,19 +21,17 @@ EVAL_DATASETS = ("mt-bench", "humaneval")
 
 
 @dataclass
-class BenchConfig:
-    """Measure drafters against plain decoding: speedup, acceptance, break-even; write a report."""
+class BenchSettings:
+    """What to measure and how: the pipeline's ``bench`` section and `draftsmith bench`'s options."""
 
-    verifier: str = opt(help="verifier: HF model dir, .gguf file, or alias (smollm2-135m)")
-    out: Path = opt(help="output directory for report.json, report.md and plots")
-    drafter: list[str] = opt(default_factory=list, help=f"drafter(s) to measure, repeatable: {DRAFTER_HELP}")
-    draft: list[str] = opt(default_factory=list, help="EAGLE-3 draft directory(ies) to measure, repeatable")
-    dataset: str = opt("mt-bench", "eval prompts: mt-bench (first turns), humaneval, or a JSONL file")
+    dataset: str = opt("mt-bench", "held-out eval prompts: mt-bench (first turns), humaneval, or a JSONL file")
     num_prompts: int = opt(20, "number of prompts (the first N of the dataset)")
     max_new_tokens: int = opt(128, "new tokens per prompt")
-    num_draft_tokens: list[int] = opt(default_factory=lambda: [5],
-                                      help="k, tokens drafted per round; several values are swept")
-    temperature: float = opt(0.0, "0 = greedy (outputs must equal plain decoding); > 0 samples")
+    num_draft_tokens: list[int] = opt(default_factory=lambda: [3, 5],
+                                      help="k, tokens drafted per round; several values are swept (the gate "
+                                           "then chooses k on half of the prompts and judges it on the rest)")
+    temperature: float = opt(0.0, "0 = greedy (outputs must equal plain decoding, up to numerical ties); "
+                                  "> 0 samples")
     repeats: int = opt(1, "timed passes over all prompts (per-prompt median is used)")
     warmup_tokens: int = opt(32, "new tokens of the untimed warm-up run of every row")
     hf_reference: bool = opt(True, "also measure HF transformers generate and HF prompt lookup")
@@ -42,19 +40,16 @@ class BenchConfig:
     bootstrap: int = opt(2000, "bootstrap resamples for the speedup confidence interval")
     seed: int = opt(0, "seed for sampling and the bootstrap")
     threads: int | None = opt(None, "torch CPU threads (default: torch's choice); pin it on a shared machine")
-    dtype: str = opt("auto", "model dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
-    device: str = opt("auto", "device: auto, cpu, cuda, cuda:N")
-    progress: bool = opt(True, "show a progress bar")
 
     def __post_init__(self) -> None:
-        if not self.drafter and not self.draft:
-            raise DraftsmithError("give at least one --drafter or --draft to measure")
-        for d in self.draft:
-            if not Path(d).is_dir():
-                raise DraftsmithError(f"--draft {d!r}: not a directory")
+        if self.dataset == "self":
+            raise DraftsmithError("--dataset: 'self' writes training prompts; measure on held-out prompts "
+                                  "(mt-bench, humaneval or a JSONL file)")
         if self.dataset not in EVAL_DATASETS and not Path(self.dataset).is_file():
             raise DraftsmithError(f"--dataset {self.dataset!r}: expected one of {list(EVAL_DATASETS)} "
-                                  "or an existing JSONL file")
+                                  "or an existing JSONL file (measure on held-out prompts)")
+        if self.seed < 0:
+            raise DraftsmithError(f"--seed must be >= 0, got {self.seed}")
         for name in ("num_prompts", "max_new_tokens", "repeats", "warmup_tokens", "bootstrap"):
             if getattr(self, name) < 1:
                 raise DraftsmithError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -71,6 +66,25 @@ class BenchConfig:
             raise DraftsmithError(f"--target-speedup must be > 0, got {self.target_speedup}")
 
 
+@dataclass(kw_only=True)
+class BenchConfig(BenchSettings):
+    """Measure drafters against plain decoding: speedup, acceptance, break-even; write a report."""
+
+    verifier: str = opt(help="verifier: HF model dir, .gguf file, or alias (smollm2-135m)")
+    out: Path = opt(help="output directory for report.json, report.md and plots")
+    drafter: list[str] = opt(default_factory=list, help=f"drafter(s) to measure, repeatable: {DRAFTER_HELP}")
+    draft: list[str] = opt(default_factory=list, help="EAGLE-3 draft directory(ies) to measure, repeatable")
+    dtype: str = opt("auto", "model dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
+    device: str = opt("auto", "device: auto, cpu, cuda, cuda:N")
+    progress: bool = opt(True, "show a progress bar")
+
+    def __post_init__(self) -> None:
+        if not self.drafter and not self.draft:
+            raise DraftsmithError("give at least one --drafter or --draft to measure")
+        for d in self.draft:
+            if not Path(d).is_dir():
+                raise DraftsmithError(f"--draft {d!r}: not a directory")
+        super().__post_init__()
 
 
 def benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], proposers: dict[str, Proposer],

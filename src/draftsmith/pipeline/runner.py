@@ -73,11 +73,7 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
         drift = b["summary"]
         report["before"] = drift
 
-    p = cache.run("prompts", steps.prompts_key(cfg.data, vd), lambda w: steps.prompts(cfg.data, w, vd))
-    r = cache.run("regenerate", {"fp": fp, "prompts": p["sha"], "data": steps.regeneration_key(cfg.data)},
-                  lambda w: steps.regenerate(vd, Path(p["path"]), cfg.data, w))
-    c = cache.run("capture", {"fp": fp, "regenerated": r["sha"], **steps.capture_key(cfg.data), "dtype": vd.dtype},
-                  lambda w: steps.capture(vd, Path(r["path"]), cfg.data, w))
+    p, r, c = steps.run_data_steps(cache, cfg.data, vd, fp)
     train_inputs = {"fp": fp, "shards": c["sha"], "train": to_dict(cfg.train), "k": k_export}
     if cfg.train.init_from:
         train_inputs["init"] = steps.file_digest(Path(cfg.train.init_from) / "model.safetensors")

@@ -151,6 +151,27 @@ def capture(v: Verifier, regenerated: Path, data: DataSection, work: Path) -> di
             "aux_layer_ids": manifest.get("aux_layer_ids")}
 
 
+def run_data_steps(cache: Any, data: DataSection, vd: Verifier, fp: str) -> tuple[dict, dict, dict]:
+    """prompts -> regenerate -> capture through ``cache`` (a :class:`StepCache`); the one wiring of the
+    data steps, shared by `draftsmith pipeline run` and `draftsmith data`.
+
+    Args:
+        cache: the run's step cache.
+        data: the data settings.
+        vd: the verifier in the data dtype (it answers and is captured).
+        fp: the verifier's fingerprint (the cache keys' identity of the model).
+
+    Returns:
+        The three steps' results.
+    """
+    p = cache.run("prompts", prompts_key(data, vd), lambda w: prompts(data, w, vd))
+    r = cache.run("regenerate", {"fp": fp, "prompts": p["sha"], "data": regeneration_key(data)},
+                  lambda w: regenerate(vd, Path(p["path"]), data, w))
+    c = cache.run("capture", {"fp": fp, "regenerated": r["sha"], **capture_key(data), "dtype": vd.dtype},
+                  lambda w: capture(vd, Path(r["path"]), data, w))
+    return p, r, c
+
+
 def train(v: Verifier, shards: Path, section: TrainSection, work: Path, num_draft_tokens: int = 5,
           verifier_name: str | None = None) -> dict[str, Any]:
     """Train the draft on the shards (resumable) -> ``train/draft``."""
@@ -173,15 +194,13 @@ def train(v: Verifier, shards: Path, section: TrainSection, work: Path, num_draf
 def bench(v: Verifier, drafts: dict[str, Path], section: BenchSection, work: Path,
           progress: bool = True) -> dict[str, Any]:
     """Measure the drafts (label -> dir) against plain decoding on held-out prompts."""
-    from draftsmith.bench import BenchConfig, benchmark
+    from draftsmith.bench import BenchConfig, BenchSettings, benchmark
     from draftsmith.data.prompts import eval_set
     from draftsmith.export import load_draft
     from draftsmith.utils import command_line
 
-    cfg = BenchConfig(verifier=v.spec, out=work, draft=[str(d) for d in drafts.values()],
-                      dataset=section.dataset, num_prompts=section.num_prompts,
-                      max_new_tokens=section.max_new_tokens, num_draft_tokens=list(section.num_draft_tokens),
-                      repeats=section.repeats, hf_reference=section.hf_reference, progress=progress)
+    cfg = BenchConfig(verifier=v.spec, out=work, draft=[str(d) for d in drafts.values()], progress=progress,
+                      **{f.name: getattr(section, f.name) for f in dataclasses.fields(BenchSettings)})
     prompt_list = eval_set(section.dataset, v.tokenizer, limit=section.num_prompts)
     proposers = {label: load_draft(d, v.model) for label, d in drafts.items()}
     report = benchmark(v.model, prompt_list, proposers, cfg, work,
