@@ -6,6 +6,7 @@ key's dotted name before any expensive step starts.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -17,6 +18,10 @@ from draftsmith.utils import check_device_name, check_dtype_name
 from draftsmith.bench.run import BenchSettings as BenchSection
 from draftsmith.gate import GateSection
 from draftsmith.train.loop import TrainSettings as TrainSection
+
+
+#: the `small` preset (`make demo`) is a budget in minutes, sized on the machine it runs on
+SMALL_BUDGET = 20.0
 
 
 def check_training_source(dataset: str, key: str) -> None:
@@ -83,7 +88,11 @@ class PipelineConfig:
 
     verifier: str = opt("smollm2-135m", "verifier: HF dir, .gguf file or alias")
     out: str = opt("runs/demo", "output directory")
-    preset: Literal["small", "full", "tiny"] = opt("small", "budget preset the sections start from")
+    preset: Literal["small", "full", "tiny"] = opt("small", "preset the sections start from (small: a "
+                                                              f"{SMALL_BUDGET:g}-minute budget)")
+    budget: float | None = opt(None, "minutes the whole run may take on this machine: its first seconds measure "
+                                     "each step here, then the data size, training and bench are sized to fit "
+                                     "(the plan is printed and kept in OUT/plan.json)")
     num_draft_tokens: int | None = opt(None, "k written into the exported draft (default: the best measured k)")
     verifier_name: str | None = opt(None, "verifier name written for vLLM (default: --verifier)")
     previous_draft: str | None = opt(None, "draft to beat (default: OUT/draft when it exists)")
@@ -99,6 +108,8 @@ class PipelineConfig:
             raise DraftsmithError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         check_dtype_name(self.dtype, "dtype")
         check_device_name(self.device, "device")
+        if self.budget is not None and not (math.isfinite(self.budget) and self.budget > 0):
+            raise DraftsmithError(f"budget must be a positive number of minutes, got {self.budget}")
 
 
 # Budgets measured on this project's 2-core CPU machine (see BENCHMARKS.md).
@@ -141,6 +152,8 @@ def build_config(yaml_path: str | None = None, overrides: dict[str, Any] | None 
         if not isinstance(section, dict):
             raise DraftsmithError(f"{name}: expected a mapping, got {type(section).__name__}")
         merged[name] = {**PRESETS[preset].get(name, {}), **section}
+    if preset == "small" and "budget" not in raw:
+        merged["budget"] = SMALL_BUDGET
     cfg = from_dict(PipelineConfig, merged)
     check_out_dir(Path(cfg.out))
     return cfg

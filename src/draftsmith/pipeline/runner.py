@@ -19,7 +19,7 @@ from typing import Any
 from draftsmith.config import opt, to_dict
 from draftsmith.errors import DraftsmithError, GateFailed
 from draftsmith.gate import gate
-from draftsmith.pipeline import steps
+from draftsmith.pipeline import budget, steps
 from draftsmith.pipeline.cache import StepCache, digest
 from draftsmith.pipeline.config import PipelineConfig, build_config
 from draftsmith.utils import atomic_write_json, command_line, environment_info
@@ -59,6 +59,13 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
     vd = steps.Verifier(cfg.verifier, steps.data_dtype(cfg.data.dtype, cfg.device), cfg.device)
     cache = StepCache(out / "steps")
     fp = v.fingerprint
+    plan = None
+    if cfg.budget is not None:
+        plan = budget.plan_for(cfg, v, vd, out, say=steps.say)
+        steps.say("[plan] " + plan.describe())
+        cfg = budget.apply_plan(cfg, plan)
+        cache.estimates = dict(plan.predicted_seconds)
+        cache.budget_seconds = plan.budget_minutes * 60
     k_export = steps.export_k(cfg)
     report: dict[str, Any] = {"mode": mode, "verifier": cfg.verifier, "verifier_fingerprint": fp,
                               "config": to_dict(cfg), "command": command_line(),
@@ -74,6 +81,9 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
         report["before"] = drift
 
     p, r, c = steps.run_data_steps(cache, cfg.data, vd, fp)
+    if plan is not None:
+        cfg = budget.fit_training(cfg, plan, c.get("tokens") or 0, time.perf_counter() - t0, out)
+        cache.estimates["train"] = cfg.train.max_minutes * 60 / 1.15
     train_inputs = {"fp": fp, "shards": c["sha"], "train": to_dict(cfg.train), "k": k_export}
     if cfg.train.init_from:
         train_inputs["init"] = steps.file_digest(Path(cfg.train.init_from) / "model.safetensors")
@@ -114,6 +124,12 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
         "gate": verdict, "candidate_draft": str(candidate_dir),
         "deployed_draft": str(deployed) if verdict["passed"] else None,
     })
+    report["config"] = to_dict(cfg)  # as run: a budget's plan sets data, training and bench sizes
+    if plan is not None:
+        actual = {name: cache.timings.get(name, {}).get("seconds") for name in plan.predicted_seconds}
+        curve = budget.extrapolate(Path(cache.timings["train"]["dir"]) / "train" / "metrics.jsonl")
+        report["plan"] = {**dataclasses.asdict(plan), "actual_seconds": actual, "train_cut": t["summary"].get("cut"),
+                          "learning_curve": curve, "bigger_budget": budget.bigger_budget_line(curve, cfg.budget)}
     if drift is not None:
         report["after"] = b["summary"]
     atomic_write_json(out / "report.json", report)
@@ -138,6 +154,12 @@ def _finish(report: dict[str, Any], out: Path) -> int:
             print(f"refresh: acceptance length {b['acceptance_length']:.2f} -> {a['acceptance_length']:.2f}, "
                   f"speedup {b['speedup']:.2f}x -> {a['speedup']:.2f}x")
     print(verdict_line(report))
+    plan = report.get("plan")
+    if plan:
+        cut = plan.get("train_cut")
+        print(f"budget: {plan['budget_minutes']:g} min, this run {report['seconds'] / 60:.1f} min"
+              + (f"; training stopped at step {cut['step']} of {cut['planned_steps']} ({cut['reason']})" if cut else ""))
+        print(plan["bigger_budget"])
     if not report["gate"]["passed"]:
         raise GateFailed("; ".join(report["gate"]["reasons"]))
     return 0
@@ -159,10 +181,14 @@ class PipelineRunConfig:
     verifier: str | None = opt(None, "verifier (overrides the file; default smollm2-135m)")
     preset: str | None = opt(None, "budget preset: tiny, small (default), full")
     out: str | None = opt(None, "output directory (default runs/demo)")
+    budget: float | None = opt(None, "minutes the run may take on this machine (default: the small preset's "
+                                     "20); the first seconds measure this machine and size data, training and "
+                                     "bench to fit")
 
 
 def run_pipeline_cli(args: PipelineRunConfig) -> int:
-    cfg = build_config(args.config, {"verifier": args.verifier, "preset": args.preset, "out": args.out})
+    cfg = build_config(args.config, {"verifier": args.verifier, "preset": args.preset, "out": args.out,
+                                     "budget": args.budget})
     return _finish(run(cfg), Path(cfg.out))
 
 
