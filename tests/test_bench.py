@@ -306,3 +306,96 @@ def test_monotone_fit_pools_violators():
     assert all(a <= b for a, b in zip(list(fit.values()), list(fit.values())[1:]))
     already = {1: 1.0, 2: 2.0, 4: 3.0}
     assert costmodel.monotone_fit(already) == already  # a monotone input is left alone
+
+
+# ----------------------------------------------------------------------------- serving engines as rows
+class _FakeServer:
+    """Stands in for a serving engine's server (the real ones are tested in test_engines_*.py):
+    decodes with the same tiny model; its 'draft' accepts the first of every k drafted tokens;
+    ``skew`` > 0 plants an off-by-one (a wrong token after the first) to check the verdict."""
+
+    started: list = []
+
+    def __init__(self, engine, model, draft, k, skew=0):
+        self.engine, self.model, self.draft, self.k, self.skew = engine, model, draft, k, skew
+        self.running = False
+
+    def __enter__(self):
+        self.running = True
+        _FakeServer.started.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.running = False
+
+    def generate(self, prompt_ids, max_new_tokens):
+        from draftsmith import generate
+        from draftsmith.engines.base import EngineResult, SpecCounters
+
+        assert self.running
+        out = generate(self.model, prompt_ids, max_new_tokens=max_new_tokens).token_ids
+        if self.draft is None:
+            return EngineResult(out, 0.01)
+        if self.skew and len(out) > 3:
+            out = out[:3] + [(out[3] + 1) % 128] + out[4:]
+        rounds = len(out) // 2
+        per_pos = [rounds] + [0] * (self.k - 1)
+        return EngineResult(out, 0.01, SpecCounters(rounds, rounds * self.k, rounds, per_pos))
+
+
+def test_engine_rows_speedup_per_engine_agreement_and_gate(tiny, tmp_path, monkeypatch):
+    from draftsmith.engines import open_engine  # noqa: F401  (the factory the bench calls)
+    from draftsmith.gate import GateSection, gate, summarize_drafter
+
+    _FakeServer.started = []
+    skews = {"vllm": 0, "llama.cpp": 1}
+    monkeypatch.setattr("draftsmith.engines.open_engine",
+                        lambda engine, verifier, d=None, k=3, **kw: _FakeServer(engine, tiny, d, k, skews[engine]))
+    cfg = _cfg(tmp_path, drafter=[], draft=[str(tmp_path)], engines=["draftsmith", "vllm", "llama.cpp"],
+               hf_reference=False)
+    perfect = DraftModelProposer(tiny)
+    report = benchmark(tiny, _prompts(2), {"eagle3:d": perfect}, cfg, tmp_path, {"verifier": "tiny"},
+                       draft_dirs={"eagle3:d": tmp_path})
+    assert all(not s.running for s in _FakeServer.started) and len(_FakeServer.started) == 4  # all stopped
+    names = [r["name"] for r in report["rows"]]
+    assert names == ["plain (ours)", "eagle3:d k=2", "vllm plain", "vllm eagle3:d k=2", "llama.cpp plain",
+                     "llama.cpp eagle3:d k=2"]
+    vllm = report["rows"][3]
+    assert vllm["engine"] == "vllm" and vllm["speedup"]["prompts"] == ["p0", "p1"]
+    # speedups and verdicts are against the engine's own plain row
+    from draftsmith.bench.measure import Row, baseline_index
+
+    rows = [Row("plain (ours)", "plain", tiny), Row("x", "drafter", tiny)]
+    for engine in ("vllm", "llama.cpp"):
+        for kind in ("plain", "drafter"):
+            rows.append(Row(f"{engine} {kind}", kind, tiny))
+            rows[-1].engine = engine
+    assert [baseline_index(rows, r) for r in range(len(rows))] == [0, 0, 2, 2, 4, 4]
+    assert vllm["acceptance"]["acceptance_length"] == 2.0 and vllm["acceptance"]["per_position_acceptance"] == [1.0, 0.0]
+    assert vllm["outputs"]["identical"] == 2
+    # the planted off-by-one of the 'llama.cpp' server is a mismatch, judged against its own plain row
+    assert report["rows"][5]["outputs"]["mismatch"] == 2
+    agree = {a["engine"]: a for a in report["engine_agreement"]}
+    assert agree["vllm"]["acceptance_length"] == {"ours": 3.0, "engine": 2.0}  # the perfect draft: k + 1 ours
+    assert agree["vllm"]["ratio"] == pytest.approx(2 / 3)
+    assert set(report["break_even"]) == {"eagle3:d"}  # the cost model is our engine's only
+    md = (tmp_path / "report.md").read_text()
+    assert "Acceptance where it is served" in md and "**vllm** eagle3:d k=2: acceptance length 2.00 vs ours 3.00" in md
+    # the gate decides on the engine the user names
+    s = summarize_drafter(report, "eagle3:d", "llama.cpp")
+    assert s["engine"] == "llama.cpp" and s["outputs"]["mismatch"] == 2
+    assert "mismatch" in gate(s, None, GateSection(engine="llama.cpp"))["reasons"][0]
+    assert summarize_drafter(report, "eagle3:d", "vllm")["acceptance_length"] == 2.0
+
+
+def test_engine_settings_are_checked(tmp_path):
+    with pytest.raises(DraftsmithError, match="--engines"):
+        _cfg(tmp_path, engines=["tgi"])
+    with pytest.raises(DraftsmithError, match="greedy"):
+        _cfg(tmp_path, engines=["vllm"], temperature=0.7)
+    from draftsmith.pipeline.config import build_config
+
+    with pytest.raises(DraftsmithError, match="gate.engine"):
+        build_config(None, {"preset": "tiny", "gate": {"engine": "vllm"}})
+    assert build_config(None, {"preset": "tiny", "gate": {"engine": "vllm"},
+                               "bench": {"engines": ["draftsmith", "vllm"]}}).gate.engine == "vllm"

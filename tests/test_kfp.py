@@ -133,7 +133,7 @@ def test_compile_with_own_image_and_gpus(tmp_path):
 def test_step_configs_give_each_step_what_it_depends_on():
     cfg = build_config(None, {"preset": "tiny"})
     slices = dict(zip(K.STEPS, K.step_configs(K.config_json(cfg))))
-    assert set(json.loads(slices["gate"])) == {"gate"}
+    assert set(json.loads(slices["gate"])) == {"gate", "bench"}  # gate.engine is checked against bench.engines
     assert set(json.loads(slices["prompts"])) == {"data"}
     assert json.loads(slices["train"])["num_draft_tokens"] == 3  # k resolved: the tiny preset measures [3]
     assert K.config_from_json(slices["export"]) == dataclasses.replace(cfg, num_draft_tokens=3)

@@ -23,6 +23,7 @@ import numpy as np
 
 from draftsmith.bench.stats import bootstrap_ci
 from draftsmith.config import opt
+from draftsmith.engines import ENGINES, OURS
 from draftsmith.errors import DraftsmithError
 
 
@@ -35,10 +36,14 @@ class GateSection:
     strict: bool = opt(False, "refuse outputs that part from plain decoding even at a numerical tie (the exact "
                               "rule; right in float32, too strict in bfloat16); a mismatch always fails")
     not_worse_than_previous: bool = opt(True, "a previous draft of the same verifier must not be faster")
+    engine: str = opt(OURS, "the engine whose measurement decides: draftsmith (ours), vllm or llama.cpp (it must "
+                            "be one of bench.engines)")
 
     def __post_init__(self) -> None:
         if self.min_speedup <= 0:
             raise DraftsmithError(f"--min-speedup must be > 0, got {self.min_speedup}")
+        if self.engine not in ENGINES:
+            raise DraftsmithError(f"--engine: expected one of {list(ENGINES)}, got {self.engine!r}")
 
 
 def choose_k(rows: list[dict[str, Any]], n_resamples: int = 2000, seed: int = 0) -> dict[str, Any] | None:
@@ -76,13 +81,14 @@ def choose_k(rows: list[dict[str, Any]], n_resamples: int = 2000, seed: int = 0)
             "judged_prompts": len(judged), "selection": how}
 
 
-def summarize_drafter(report: dict[str, Any], label: str) -> dict[str, Any] | None:
-    """What the gate needs to know of one drafter of a bench report.
+def summarize_drafter(report: dict[str, Any], label: str, engine: str = OURS) -> dict[str, Any] | None:
+    """What the gate needs to know of one drafter of a bench report, as ``engine`` measured it.
 
     The speedup is :func:`choose_k`'s (k chosen apart from the prompts that judge it);
     output verdicts are summed over all of the drafter's rows (a mismatch at any k is a bug).
     """
-    rows = sorted((r for r in report.get("rows", []) if r.get("drafter") == label), key=lambda r: r["k"])
+    rows = sorted((r for r in report.get("rows", []) if r.get("drafter") == label
+                   and r.get("engine", OURS) == engine), key=lambda r: r["k"])
     cfg = report.get("config", {})
     choice = choose_k(rows, cfg.get("bootstrap", 2000), cfg.get("seed", 0))
     if choice is None:
@@ -93,9 +99,10 @@ def summarize_drafter(report: dict[str, Any], label: str) -> dict[str, Any] | No
     for r in judged:
         for kind in outputs:
             outputs[kind] += r["outputs"][kind]
-    be = report.get("break_even", {}).get(label, {})
-    hf = [r for r in report.get("rows", []) if r["kind"].startswith("hf") and r["tokens_per_second"]["median"]]
-    return {"k": choice["k"], "speedup": choice["median"], "speedup_ci95": choice["ci95"],
+    be = report.get("break_even", {}).get(label, {}) if engine == OURS else {}
+    hf = [r for r in report.get("rows", []) if r["kind"].startswith("hf") and r["tokens_per_second"]["median"]
+          and engine == OURS]
+    return {"engine": engine, "k": choice["k"], "speedup": choice["median"], "speedup_ci95": choice["ci95"],
             "judged_prompts": choice["judged_prompts"], "k_selection": choice["selection"],
             "acceptance_length": row["acceptance"]["acceptance_length"],
             "per_position_acceptance": row["acceptance"]["per_position_acceptance"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,12 +10,13 @@ from typing import Any
 
 import torch
 
-from draftsmith.bench.measure import (BenchState, _build_rows, _load_eval_prompts, judge_outputs, measure_costs,
-                                      measure_interleaved)
+from draftsmith.bench.measure import (BenchState, _build_rows, _load_eval_prompts, engine_rows, judge_outputs,
+                                      measure_costs, measure_interleaved)
 from draftsmith.bench.report import build_report, render_markdown, write_report
 from draftsmith.config import opt
 from draftsmith.decoding.proposers import Proposer
 from draftsmith.drafters import DRAFTER_HELP
+from draftsmith.engines import ENGINES, OURS
 from draftsmith.errors import DraftsmithError
 
 EVAL_DATASETS = ("mt-bench", "humaneval")
@@ -40,8 +42,17 @@ class BenchSettings:
     bootstrap: int = opt(2000, "bootstrap resamples for the speedup confidence interval")
     seed: int = opt(0, "seed for sampling and the bootstrap")
     threads: int | None = opt(None, "torch CPU threads (default: torch's choice); pin it on a shared machine")
+    engines: list[str] = opt(default_factory=lambda: [OURS],
+                             help=f"where to measure the EAGLE-3 drafts, side by side: {', '.join(ENGINES)} "
+                                  "(vllm and llama.cpp are started as real servers on 127.0.0.1; greedy only)")
 
     def __post_init__(self) -> None:
+        bad = [e for e in self.engines if e not in ENGINES]
+        if bad or not self.engines:
+            raise DraftsmithError(f"--engines: expected some of {list(ENGINES)}, got {self.engines}")
+        self.engines = list(dict.fromkeys(self.engines))
+        if self.temperature > 0 and self.engines != [OURS]:
+            raise DraftsmithError("--engines: serving engines are measured greedy (--temperature 0) only")
         if self.dataset == "self":
             raise DraftsmithError("--dataset: 'self' writes training prompts; measure on held-out prompts "
                                   "(mt-bench, humaneval or a JSONL file)")
@@ -88,7 +99,8 @@ class BenchConfig(BenchSettings):
 
 
 def benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], proposers: dict[str, Proposer],
-              cfg: BenchConfig, out_dir: Path, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
+              cfg: BenchConfig, out_dir: Path, provenance: dict[str, Any] | None = None,
+              draft_dirs: dict[str, Path] | None = None) -> dict[str, Any]:
     """Measure every row and write the report (partial on Ctrl-C, which is re-raised).
 
     Args:
@@ -98,11 +110,24 @@ def benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], prop
         cfg: run settings (k sweep, repeats, temperature, ...).
         out_dir: where report.json, report.md and the plots go.
         provenance: verifier spec and fingerprint, command line, dataset name.
+        draft_dirs: label -> speculators draft directory, for the serving engines of
+            ``cfg.engines`` (each is started plainly and with each draft at each k).
 
     Returns:
         The report as written to ``report.json``.
     """
+    with contextlib.ExitStack() as servers:  # every engine server is stopped on the way out, whatever happens
+        return _benchmark(model, prompts, proposers, cfg, out_dir, provenance, draft_dirs or {}, servers)
+
+
+def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], proposers: dict[str, Proposer],
+               cfg: BenchConfig, out_dir: Path, provenance: dict[str, Any] | None, draft_dirs: dict[str, Path],
+               servers: contextlib.ExitStack) -> dict[str, Any]:
     rows = _build_rows(model, proposers, cfg.num_draft_tokens, cfg.hf_reference, cfg.hf_lookup_tokens)
+    if OURS not in cfg.engines:
+        rows = rows[:1]  # our plain row stays: the verdicts and the cost model rest on it
+    rows += engine_rows(servers, cfg.engines, model, cfg.verifier, draft_dirs, cfg.num_draft_tokens,
+                        Path(out_dir) / "engine-logs", cfg.threads)
     state = BenchState(rows, prompts)
     param = next(model.parameters())
     provenance = {**(provenance or {}), "dtype": str(param.dtype).removeprefix("torch."), "device": str(param.device)}
@@ -136,11 +161,12 @@ def run_bench(cfg: BenchConfig) -> int:
     proposers: dict[str, Proposer] = {}
     for spec in cfg.drafter:
         proposers[spec] = build_proposer(spec, model, tokenizer, dtype=cfg.dtype)
-    for d in cfg.draft:
-        proposers[f"eagle3:{Path(d).name}"] = build_proposer(d, model, tokenizer, dtype=cfg.dtype)
+    draft_dirs = {f"eagle3:{Path(d).name}": Path(d) for d in cfg.draft}
+    for label, d in draft_dirs.items():
+        proposers[label] = build_proposer(str(d), model, tokenizer, dtype=cfg.dtype)
     provenance = {"verifier": cfg.verifier, "fingerprint": fp, "command": command_line(), "dataset": cfg.dataset}
     try:
-        report = benchmark(model, prompts, proposers, cfg, Path(cfg.out), provenance)
+        report = benchmark(model, prompts, proposers, cfg, Path(cfg.out), provenance, draft_dirs)
     except KeyboardInterrupt:
         print(f"bench: partial report written to {cfg.out}/report.md", file=sys.stderr)
         raise

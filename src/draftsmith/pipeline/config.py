@@ -108,6 +108,9 @@ class PipelineConfig:
             raise DraftsmithError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         check_dtype_name(self.dtype, "dtype")
         check_device_name(self.device, "device")
+        if self.gate.engine not in self.bench.engines:
+            raise DraftsmithError(f"gate.engine: {self.gate.engine!r} decides, but bench.engines "
+                                  f"{self.bench.engines} does not measure it")
         if self.budget is not None and not (math.isfinite(self.budget) and self.budget > 0):
             raise DraftsmithError(f"budget must be a positive number of minutes, got {self.budget}")
 

@@ -18,7 +18,6 @@ from typing import Any
 
 from draftsmith.config import opt, to_dict
 from draftsmith.errors import DraftsmithError, GateFailed
-from draftsmith.gate import gate
 from draftsmith.pipeline import budget, steps
 from draftsmith.pipeline.cache import StepCache, digest
 from draftsmith.pipeline.config import PipelineConfig, build_config
@@ -97,7 +96,7 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
     bench_inputs = {"fp": fp, "candidate": t["sha"], "bench": to_dict(cfg.bench),
                     "previous": steps.file_digest(previous / "model.safetensors") if previous else None}
     b = cache.run("bench", bench_inputs, lambda w: steps.bench(v, drafts, cfg.bench, w))
-    verdict = gate(b["summary"], b.get("previous"), cfg.gate)
+    verdict = steps.gate(*steps.gate_inputs(b, cfg.gate.engine), cfg.gate)
 
     metrics, provenance = steps.export_metadata(cfg, t, c.get("tokens"), b["summary"], verdict, mode=mode,
                                                 report=str(out / "report.json"))

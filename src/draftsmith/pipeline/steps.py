@@ -17,7 +17,7 @@ import torch
 
 from draftsmith.config import to_dict
 from draftsmith.errors import DraftsmithError
-from draftsmith.gate import summarize_drafter
+from draftsmith.gate import gate, summarize_drafter  # noqa: F401  (gate: the gate step of the table)
 from draftsmith.pipeline.cache import file_digest
 from draftsmith.pipeline.config import BenchSection, DataSection, PipelineConfig, TrainSection
 
@@ -205,9 +205,18 @@ def bench(v: Verifier, drafts: dict[str, Path], section: BenchSection, work: Pat
     proposers = {label: load_draft(d, v.model) for label, d in drafts.items()}
     report = benchmark(v.model, prompt_list, proposers, cfg, work,
                        {"verifier": v.spec, "fingerprint": v.fingerprint, "command": command_line(),
-                        "dataset": section.dataset, "drafts": {k: str(p) for k, p in drafts.items()}})
+                        "dataset": section.dataset, "drafts": {k: str(p) for k, p in drafts.items()}}, drafts)
     return {"report": str(work / "report.json"), "summary": summarize_drafter(report, "candidate"),
-            "previous": summarize_drafter(report, "previous") if "previous" in drafts else None}
+            "previous": summarize_drafter(report, "previous") if "previous" in drafts else None,
+            "by_engine": {e: {"summary": summarize_drafter(report, "candidate", e),
+                              "previous": summarize_drafter(report, "previous", e) if "previous" in drafts else None}
+                          for e in section.engines}}
+
+
+def gate_inputs(b: dict[str, Any], engine: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The candidate's and the previous draft's summaries as ``engine`` measured them."""
+    mine = (b.get("by_engine") or {}).get(engine) or {"summary": b["summary"], "previous": b.get("previous")}
+    return mine["summary"], mine["previous"]
 
 
 def export_k(cfg: PipelineConfig) -> int:
