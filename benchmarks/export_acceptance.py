@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from draftsmith import generate, load_draft
-from draftsmith.data.prompts import eval_set
+from draftsmith.data.sources import eval_set
 from draftsmith.export import save_draft
 from draftsmith.models.eagle3 import Eagle3Proposer
 from draftsmith.models.verifier import load_verifier

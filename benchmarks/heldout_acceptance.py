@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.data.capture import capture_to_shards, load_regenerated, load_shards, regenerate
     from draftsmith.decoding.engine import generate
     from draftsmith.export import load_draft, read_draft
-    from draftsmith.data.prompts import load_prompts
+    from draftsmith.data.sources import load_prompts
     from draftsmith.models.verifier import load_verifier
 
     torch.set_num_threads(args.threads)

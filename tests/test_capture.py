@@ -16,7 +16,8 @@ import torch
 from conftest import interrupted_on_call, smollm2_tokenizer, tiny_model
 from draftsmith.data import capture as C
 from draftsmith.data.chat import encode_chat
-from draftsmith.data.prompts import Conversation, tokenize_conversation
+from draftsmith.data.conversation import Conversation
+from draftsmith.data.tokenize import tokenize_conversation
 from draftsmith.errors import DraftsmithError
 
 V = 49152  # SmolLM2's vocabulary: the tiny models cover every token id

@@ -14,7 +14,7 @@ import torch
 
 from conftest import interrupted_on_call, smollm2_tokenizer, tiny_model
 from draftsmith.data import selfprompts as S
-from draftsmith.data.prompts import load_prompts
+from draftsmith.data.sources import load_prompts
 from draftsmith.errors import DraftsmithError
 
 V = 49152

@@ -16,7 +16,7 @@ verifier of hidden size ``H`` and ``A`` aux layers:
 
 - ``input_ids`` int64 ``[T]``;
 - ``loss_mask`` bool ``[T]``, true on the assistant's tokens
-  (:func:`~draftsmith.data.prompts.tokenize_conversation`);
+  (:func:`~draftsmith.data.tokenize.tokenize_conversation`);
 - ``aux`` ``[T, A*H]``: HF ``hidden_states[i]`` (the *input* of decoder layer
   ``i``) for ``i`` in ``aux_layer_ids``, concatenated in that order;
 - ``last`` ``[T, H]``: the input of the verifier's ``lm_head`` (the final-normed
@@ -55,8 +55,8 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 
 from draftsmith.data.chat import encode_chat
-from draftsmith.data.prompts import (Conversation, TokenizedConversation, TooLong, _fit, record_to_conversation,
-                                     tokenize_conversation)
+from draftsmith.data.conversation import Conversation, record_to_conversation
+from draftsmith.data.tokenize import TokenizedConversation, TooLong, fit, tokenize_conversation
 from draftsmith.decoding.sampling import SamplingParams, logits_to_probs
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.eagle3 import default_aux_layer_ids
@@ -249,7 +249,7 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
     """Answer every prompt with the verifier and append the conversations to a JSONL file.
 
     Each line is ``{"id", "messages", "meta"}``: the conversation's prompt messages
-    (:meth:`~draftsmith.data.prompts.Conversation.prompt_messages`) plus one
+    (:meth:`~draftsmith.data.conversation.Conversation.prompt_messages`) plus one
     assistant message with the verifier's reply. ``meta`` keeps the source's meta
     and adds ``source``, ``finish_reason`` (``stop``: end-of-sequence token;
     ``length``: ``max_new_tokens`` reached; ``empty``: the reply was empty, the
@@ -391,7 +391,7 @@ def _record(conv: Conversation, tokenizer: Any, prompt_ids: list[int], reply: li
 def load_regenerated(path: Path) -> list[Conversation]:
     """The conversations of a :func:`regenerate` file, in file order (a torn last line is ignored).
 
-    Unlike :func:`~draftsmith.data.prompts.load_prompts` this neither splits,
+    Unlike :func:`~draftsmith.data.sources.load_prompts` this neither splits,
     dedupes nor reorders: the file already is the training set.
 
     Raises:
@@ -532,7 +532,7 @@ def _tokenize(tokenizer: Any, conv: Conversation, max_length: int, counts: _Coun
     except DraftsmithError as e:  # e.g. a template that rejects the turn order: say which conversation
         raise DraftsmithError(f"conversation {conv.id!r}: {e}") from e
     try:
-        sample = _fit(full, max_length, truncate=True)
+        sample = fit(full, max_length, truncate=True)
     except TooLong:  # the prompt alone fills the context: no reply token left to learn
         counts.too_long += 1
         return None

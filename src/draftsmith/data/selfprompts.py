@@ -32,7 +32,9 @@ from typing import Any
 import torch
 
 from draftsmith.data.capture import _eos_ids, _generate_batch, _pad_id, complete_lines, sample_seed, write_failure
-from draftsmith.data.prompts import Conversation, _ids, _render, normalize_text, remove_eval_overlap
+from draftsmith.data.conversation import Conversation, normalize_text
+from draftsmith.data.sources import remove_eval_overlap
+from draftsmith.data.tokenize import render_chat, text_ids
 from draftsmith.decoding.sampling import SamplingParams
 from draftsmith.errors import DraftsmithError
 
@@ -52,12 +54,12 @@ def user_turn_prefix(tokenizer: Any) -> list[int]:
     Raises:
         DraftsmithError: the template does not reproduce the user's text verbatim.
     """
-    text = _render(tokenizer, [{"role": "user", "content": _MARKER}])
+    text = render_chat(tokenizer, [{"role": "user", "content": _MARKER}])
     at = text.find(_MARKER)
     if at < 0:
         raise DraftsmithError("the verifier's chat template does not copy a user's text verbatim, so the "
                               "verifier cannot be asked to write prompts; use a prompt dataset instead")
-    ids = _ids(tokenizer, text[:at])
+    ids = text_ids(tokenizer, text[:at])
     if not ids:
         raise DraftsmithError("the verifier's chat template puts nothing before a user's text; cannot ask the "
                               "verifier to write prompts (use a prompt dataset instead)")
@@ -91,8 +93,8 @@ def select_prompts(attempts: list[dict[str, Any]], n: int) -> tuple[list[Convers
 
     Dropped: unfinished (no end-of-turn within the token limit), shorter than
     ``MIN_REQUEST_CHARS`` after stripping, a duplicate of an earlier request
-    (after :func:`~draftsmith.data.prompts.normalize_text`), or overlapping a
-    held-out evaluation set (:func:`~draftsmith.data.prompts.remove_eval_overlap`).
+    (after :func:`~draftsmith.data.conversation.normalize_text`), or overlapping a
+    held-out evaluation set (:func:`~draftsmith.data.sources.remove_eval_overlap`).
     """
     counts = {"attempts": 0, "unfinished": 0, "too_short": 0, "duplicate": 0, "eval_overlap": 0}
     kept: list[Conversation] = []

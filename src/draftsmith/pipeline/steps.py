@@ -94,7 +94,7 @@ def prompts(data: DataSection, work: Path, v: "Verifier | None" = None) -> dict[
 
     With ``--dataset self`` the verifier ``v`` writes them (:mod:`draftsmith.data.selfprompts`).
     """
-    from draftsmith.data.prompts import load_prompts
+    from draftsmith.data.sources import load_prompts
     from draftsmith.data.selfprompts import SELF_DATASET, write_self_prompts
 
     skip = data.skip_conversations
@@ -126,7 +126,7 @@ def prompts(data: DataSection, work: Path, v: "Verifier | None" = None) -> dict[
 def regenerate(v: Verifier, prompts_path: Path, data: DataSection, work: Path) -> dict[str, Any]:
     """The verifier's own replies to the prompts -> ``regenerated.jsonl`` (resumable)."""
     from draftsmith.data.capture import regenerate as _regenerate
-    from draftsmith.data.prompts import load_prompts
+    from draftsmith.data.sources import load_prompts
 
     convs = load_prompts(prompts_path, split="all", exclude_eval=False, dedupe=False)
     path = _regenerate(v.model, v.tokenizer, convs, work / "regenerated.jsonl", max_new_tokens=data.max_new_tokens,
@@ -173,7 +173,7 @@ def bench(v: Verifier, drafts: dict[str, Path], section: BenchSection, work: Pat
           progress: bool = True) -> dict[str, Any]:
     """Measure the drafts (label -> dir) against plain decoding on held-out prompts."""
     from draftsmith.bench import BenchConfig, benchmark
-    from draftsmith.data.prompts import eval_set
+    from draftsmith.data.sources import eval_set
     from draftsmith.export import load_draft
     from draftsmith.utils import command_line
 
