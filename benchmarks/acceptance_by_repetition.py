@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).parent))
     from heldout_acceptance import teacher_forced
 
-    from draftsmith.data.capture import load_shards
+    from draftsmith.data.shards import load_shards
     from draftsmith.export import read_draft
     from draftsmith.train.loop import _split
 

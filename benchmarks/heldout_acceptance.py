@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from draftsmith.data.capture import capture_to_shards, load_regenerated, load_shards, regenerate
+    from draftsmith.data.capture import capture_to_shards
+    from draftsmith.data.regenerate import load_regenerated, regenerate
+    from draftsmith.data.shards import load_shards
     from draftsmith.decoding.engine import generate
     from draftsmith.export import load_draft, read_draft
     from draftsmith.data.sources import load_prompts

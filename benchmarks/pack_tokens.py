@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from draftsmith.data.capture import load_shards
+    from draftsmith.data.shards import load_shards
     from draftsmith.models.verifier import load_verifier
     from draftsmith.models.vocab import select_vocab, token_counts
     from draftsmith.train.loop import _target_head, _use_bf16, build_draft, target_logits

@@ -10,7 +10,7 @@ dedupe and decontaminate prompts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from draftsmith.errors import DraftsmithError
 
@@ -172,3 +172,11 @@ def normalize_text(text: str) -> str:
 def prompt_key(conv: Conversation) -> str:
     """Identity of a conversation's prompt (its messages before the first assistant turn)."""
     return "\n".join(f"{m['role']}: {normalize_text(m['content'])}" for m in conv.prompt_messages())
+
+
+def require_conversations(conversations: Iterable[Conversation], what: str) -> list[Conversation]:
+    """``conversations`` as a list, refusing an empty one (``what``: the step, for the error)."""
+    convs = list(conversations)
+    if not convs:
+        raise DraftsmithError(f"no conversations to {what}: the dataset is empty")
+    return convs

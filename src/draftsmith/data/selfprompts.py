@@ -31,12 +31,13 @@ from typing import Any
 
 import torch
 
-from draftsmith.data.capture import _eos_ids, _generate_batch, _pad_id, complete_lines, sample_seed, write_failure
 from draftsmith.data.conversation import Conversation, normalize_text
+from draftsmith.data.generation import eos_ids, generate_batch, pad_id, sample_seed
 from draftsmith.data.sources import remove_eval_overlap
 from draftsmith.data.tokenize import render_chat, text_ids
 from draftsmith.decoding.sampling import SamplingParams
 from draftsmith.errors import DraftsmithError
+from draftsmith.utils import complete_lines, write_failure
 
 SELF_DATASET = "self"
 #: Sampling for the requests (not the replies): Magpie samples at temperature 1;
@@ -168,8 +169,8 @@ def write_self_prompts(model: torch.nn.Module, tokenizer: Any, n: int, attempts_
     attempts_path = Path(attempts_path)
     attempts = _read_attempts(attempts_path, generation, skip)
     kept, counts = select_prompts(attempts, n)
-    eos = _eos_ids(model, tokenizer)
-    pad = _pad_id(tokenizer, eos)
+    eos = eos_ids(model, tokenizer)
+    pad = pad_id(tokenizer, eos)
     attempts_path.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=n, initial=len(kept), desc="self-prompts", unit="prompt", disable=not progress)
     t0 = time.perf_counter()
@@ -180,9 +181,9 @@ def write_self_prompts(model: torch.nn.Module, tokenizer: Any, n: int, attempts_
                 # regenerates a torn batch whole and draws exactly what the first run drew.
                 start = skip + (len(attempts) // batch_size) * batch_size
                 indices = list(range(start, start + batch_size))
-                outs = _generate_batch(model, [prefix] * len(indices),
-                                       [sample_seed(seed, f"self-{i}") for i in indices], params,
-                                       MAX_REQUEST_TOKENS, eos, pad)
+                outs = generate_batch(model, [prefix] * len(indices),
+                                      [sample_seed(seed, f"self-{i}") for i in indices], params,
+                                      MAX_REQUEST_TOKENS, eos, pad)
                 lines = []
                 for i, (ids, reason) in zip(indices, outs):
                     if i < skip + len(attempts):

@@ -125,7 +125,7 @@ def prompts(data: DataSection, work: Path, v: "Verifier | None" = None) -> dict[
 
 def regenerate(v: Verifier, prompts_path: Path, data: DataSection, work: Path) -> dict[str, Any]:
     """The verifier's own replies to the prompts -> ``regenerated.jsonl`` (resumable)."""
-    from draftsmith.data.capture import regenerate as _regenerate
+    from draftsmith.data.regenerate import regenerate as _regenerate
     from draftsmith.data.sources import load_prompts
 
     convs = load_prompts(prompts_path, split="all", exclude_eval=False, dedupe=False)
@@ -138,7 +138,9 @@ def regenerate(v: Verifier, prompts_path: Path, data: DataSection, work: Path) -
 
 def capture(v: Verifier, regenerated: Path, data: DataSection, work: Path) -> dict[str, Any]:
     """Hidden states of the verifier over its regenerated conversations -> shards."""
-    from draftsmith.data.capture import capture_to_shards, load_regenerated, read_manifest
+    from draftsmith.data.capture import capture_to_shards
+    from draftsmith.data.regenerate import load_regenerated
+    from draftsmith.data.shards import read_manifest
 
     out = capture_to_shards(v.model, v.tokenizer, load_regenerated(regenerated), work / "shards",
                             fingerprint=v.fingerprint, verifier_spec=v.spec, max_length=data.max_length,
@@ -153,7 +155,7 @@ def capture(v: Verifier, regenerated: Path, data: DataSection, work: Path) -> di
 def train(v: Verifier, shards: Path, section: TrainSection, work: Path, num_draft_tokens: int = 5,
           verifier_name: str | None = None) -> dict[str, Any]:
     """Train the draft on the shards (resumable) -> ``train/draft``."""
-    from draftsmith.data.capture import read_manifest
+    from draftsmith.data.shards import read_manifest
     from draftsmith.train.loop import TrainConfig
     from draftsmith.train.loop import train as _train
 

@@ -342,7 +342,7 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
     if samples is None:
         if not cfg.data:
             raise DraftsmithError("--data is required (a directory of captured shards)")
-        from draftsmith.data.capture import load_capture_dirs
+        from draftsmith.data.shards import load_capture_dirs
 
         samples, captured_layers = load_capture_dirs(cfg.data, fingerprint)
         if aux_layer_ids is None:  # the draft must read the layers the shards hold, not the default ones
@@ -359,7 +359,7 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
     def vocab_counts() -> torch.Tensor:
         """Reply-token counts that choose the vocabulary: ``cfg.vocab_data``, else the training samples."""
         if cfg.vocab_data:
-            from draftsmith.data.capture import load_shards
+            from draftsmith.data.shards import load_shards
 
             chosen: Iterable[dict] = (s for d in cfg.vocab_data for s in load_shards(Path(d), fingerprint))
         else:
