@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from heldout_acceptance import teacher_forced
 
     from draftsmith.data.shards import load_shards
-    from draftsmith.export import read_draft
+    from draftsmith.models.speculators import read_draft
     from draftsmith.train.loop import _split
 
     torch.set_num_threads(args.threads)

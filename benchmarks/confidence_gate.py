@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from draftsmith.data.shards import load_shards
-    from draftsmith.export import read_draft
+    from draftsmith.models.speculators import read_draft
     from draftsmith.models.verifier import load_verifier
 
     torch.set_num_threads(args.threads)

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from draftsmith.data.chat import encode_prompt
     from draftsmith.decoding.engine import generate
-    from draftsmith.export import load_draft
+    from draftsmith.drafters import load_draft
     from draftsmith.models.verifier import load_verifier
 
     model, tokenizer, _ = load_verifier(args.verifier, dtype=args.dtype)

@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.data.regenerate import load_regenerated, regenerate
     from draftsmith.data.shards import load_shards
     from draftsmith.decoding.engine import generate
-    from draftsmith.export import load_draft, read_draft
+    from draftsmith.drafters import load_draft
+    from draftsmith.models.speculators import read_draft
     from draftsmith.data.sources import load_prompts
     from draftsmith.models.verifier import load_verifier
 

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from draftsmith.data.shards import load_shards
-    from draftsmith.export import read_draft
+    from draftsmith.models.speculators import read_draft
     from draftsmith.models.verifier import load_verifier
     from draftsmith.models.vocab import coverage, grow_vocab, token_counts
     from draftsmith.train.loop import extend_draft_vocab

@@ -271,7 +271,7 @@ def test_foreign_shard_is_refused(tok, tmp_path):
 
 def test_training_on_several_capture_directories(tok, tmp_path):
     """`draftsmith train --data A B` trains on both; the draft reads the layers the shards hold."""
-    from draftsmith.export import read_draft
+    from draftsmith.models.speculators import read_draft
     from draftsmith.train.loop import TrainConfig, train
 
     m, convs = model(), chats()

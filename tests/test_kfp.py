@@ -156,7 +156,7 @@ def test_local_subprocess_run_gate_pass_then_fail(tiny_setup, tmp_path):
     kfp = pytest.importorskip("kfp")
     from kfp import local
 
-    from draftsmith.export import read_draft, read_provenance
+    from draftsmith.models.speculators import read_draft, read_provenance
 
     verifier, config = tiny_setup
     cfg = build_config(str(config))

@@ -150,7 +150,7 @@ def test_draft_mlp_width_option(tmp_path, samples):
     """--draft-intermediate-size widens the draft's MLP, survives save/load, and is part of the config
     hash (a checkpoint of the default width does not resume at another width)."""
     from draftsmith.errors import DraftsmithError
-    from draftsmith.export import read_draft
+    from draftsmith.models.speculators import read_draft
 
     cfg = _cfg(tmp_path, epochs=1, draft_intermediate_size=80)
     res = _train(cfg, samples)
@@ -197,7 +197,7 @@ def test_torchrun_two_ranks_identical(tmp_path):
 def test_train_lm_head_option(tmp_path, samples):
     """The lm_head stays the verifier's rows unless --train-lm-head; with it, the rows move, the
     draft on disk carries them, and the option is part of the config hash only when set."""
-    from draftsmith.export import read_draft
+    from draftsmith.models.speculators import read_draft
 
     def rows(d):
         return _verifier().get_output_embeddings().weight[d.draft_to_target].float()
@@ -247,7 +247,7 @@ def test_extend_vocab_warm_start(tmp_path, samples):
     """--extend-vocab grows a warm-started draft's vocabulary: the old tokens keep their logits
     exactly, the new rows are the verifier's, and the grown draft trains and saves."""
     from draftsmith.errors import DraftsmithError
-    from draftsmith.export import read_draft
+    from draftsmith.models.speculators import read_draft
     from draftsmith.models.vocab import grow_vocab, token_counts
 
     base = _train(_cfg(tmp_path / "a", epochs=1, draft_vocab_size=40), samples)

@@ -141,7 +141,8 @@ class ExportConfig:
 def run_export(cfg: ExportConfig) -> int:
     from pathlib import Path
 
-    from draftsmith.export import read_draft, read_provenance, save_draft, serve_commands
+    from draftsmith.export import save_draft, serve_commands
+    from draftsmith.models.speculators import read_draft, read_provenance
     from draftsmith.models.verifier import load_verifier
 
     previous = read_provenance(cfg.draft) or {}

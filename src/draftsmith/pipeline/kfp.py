@@ -224,7 +224,7 @@ def _components(base_image: str, packages: list[str], install_kfp: bool) -> dict
         import json
         from pathlib import Path
 
-        from draftsmith.export import read_provenance
+        from draftsmith.models.speculators import read_provenance
         from draftsmith.pipeline import steps
         from draftsmith.pipeline.kfp import config_from_json
 

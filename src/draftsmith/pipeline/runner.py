@@ -26,7 +26,7 @@ from draftsmith.utils import atomic_write_json, command_line, environment_info
 
 def _previous_draft(cfg: PipelineConfig, fingerprint: str) -> Path | None:
     """The draft to beat: --previous-draft, else OUT/draft made for this same verifier."""
-    from draftsmith.export import read_provenance
+    from draftsmith.models.speculators import read_provenance
 
     if cfg.previous_draft:
         p = Path(cfg.previous_draft)

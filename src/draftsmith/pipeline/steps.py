@@ -176,7 +176,7 @@ def bench(v: Verifier, drafts: dict[str, Path], section: BenchSection, work: Pat
     """Measure the drafts (label -> dir) against plain decoding on held-out prompts."""
     from draftsmith.bench import BenchConfig, benchmark
     from draftsmith.data.sources import eval_set
-    from draftsmith.export import load_draft
+    from draftsmith.drafters import load_draft
     from draftsmith.utils import command_line
 
     cfg = BenchConfig(verifier=v.spec, out=work, draft=[str(d) for d in drafts.values()],
@@ -262,7 +262,8 @@ def export_metadata(cfg: PipelineConfig, trained: dict[str, Any], tokens: int | 
 def export(draft_dir: Path, out_dir: Path, *, verifier_name: str | None, num_draft_tokens: int | None,
            fingerprint: str, metrics: dict[str, Any], provenance: dict[str, Any]) -> dict[str, Any]:
     """Write the deployable draft (speculators format + model card) to ``out_dir``."""
-    from draftsmith.export import read_draft, save_draft
+    from draftsmith.export import save_draft
+    from draftsmith.models.speculators import read_draft
 
     draft = read_draft(draft_dir)
     path = save_draft(draft, out_dir, verifier_name=verifier_name, num_draft_tokens=num_draft_tokens,

@@ -332,7 +332,7 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
     """
     from tqdm.auto import tqdm
 
-    from draftsmith.export import read_draft, save_draft
+    from draftsmith.models.speculators import read_draft, write_draft
     from draftsmith.models.verifier import load_verifier
 
     dist = _Dist(cfg.device)
@@ -484,10 +484,10 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
 
     def save_best(metrics: dict[str, Any]) -> None:
         if dist.main:
-            save_draft(draft, out / "draft", verifier_name=draft.config.verifier_name,
-                       num_draft_tokens=cfg.num_draft_tokens, fingerprint=fingerprint,
-                       provenance={"train_config": to_dict(cfg), "step": step, "command": command_line()},
-                       metrics=metrics)
+            write_draft(draft, out / "draft", verifier_name=draft.config.verifier_name,
+                        num_draft_tokens=cfg.num_draft_tokens, fingerprint=fingerprint,
+                        provenance={"train_config": to_dict(cfg), "step": step, "command": command_line()},
+                        metrics=metrics)
 
     metrics_f = open(out / "metrics.jsonl", "a") if dist.main else None
     draft.train()
