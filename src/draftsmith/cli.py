@@ -15,9 +15,9 @@ from draftsmith.config import add_arguments, from_args, opt
 from draftsmith.drafters import DRAFTER_HELP
 from draftsmith.errors import DraftsmithError, GateFailed
 from draftsmith.pipeline.config import DataSection
-from draftsmith.pipeline.kfp import (KfpCompileConfig, KfpTrainJobConfig, compile_cli, trainjob_cli,
-                                    trainjob_defaults)
+from draftsmith.pipeline.kfp import KfpCompileConfig, compile_cli
 from draftsmith.pipeline.runner import PipelineRunConfig, RefreshConfig, refresh_cli, run_pipeline_cli
+from draftsmith.pipeline.trainjob import KfpTrainJobConfig, trainjob_cli, trainjob_defaults
 from draftsmith.train.loop import TrainConfig
 
 EXIT_ERROR = 2
