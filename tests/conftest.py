@@ -127,20 +127,28 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 SPECIALS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]  # ids 0, 1, 2: conftest's bos 0, eos = pad = 1
 
 
-def save_tiny_chat_verifier(path: Path, layers: int = 8) -> Path:
-    """A byte-level tokenizer with a ChatML template and a random tiny Llama, saved as an HF directory.
-
-    8 layers: the default aux layers [2, n//2, n-3] must be distinct.
-    """
+def save_chat_tokenizer(path: Path, tokens: list[str]) -> None:
+    """A byte-level tokenizer over ``tokens`` (id = position; no merges: one token per byte) with
+    SPECIALS as special tokens and a ChatML template, saved to ``path``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per byte
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
                             pad_token="<|endoftext|>", chat_template=CHATML).save_pretrained(path)
-    tiny_model("llama", vocab=len(vocab), layers=layers).save_pretrained(path)
+
+
+def save_tiny_chat_verifier(path: Path, layers: int = 8) -> Path:
+    """A byte-level tokenizer with a ChatML template and a random tiny Llama, saved as an HF directory.
+
+    8 layers: the default aux layers [2, n//2, n-3] must be distinct.
+    """
+    from tokenizers import pre_tokenizers
+
+    tokens = SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet())
+    save_chat_tokenizer(path, tokens)
+    tiny_model("llama", vocab=len(tokens), layers=layers).save_pretrained(path)
     return path

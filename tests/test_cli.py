@@ -98,12 +98,12 @@ def test_help_lists_every_command(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for cmd in ("generate", "data", "train", "pipeline", "refresh", "bench", "export"):
+    for cmd in ("generate", "data", "train", "pipeline", "refresh", "eval", "bench", "export"):
         assert cmd in out
 
 
-@pytest.mark.parametrize("cmd", [["generate"], ["data"], ["train"], ["pipeline", "run"], ["refresh"], ["bench"],
-                                 ["export"], ["kfp"]])
+@pytest.mark.parametrize("cmd", [["generate"], ["data"], ["train"], ["pipeline", "run"], ["refresh"], ["eval"],
+                                 ["bench"], ["export"], ["kfp"]])
 def test_every_command_help_renders(cmd, capsys):
     """`--help` of every command prints its options (a literal % in a help text once crashed `data --help`)."""
     with pytest.raises(SystemExit) as e:

@@ -14,6 +14,7 @@ from draftsmith.bench import BenchConfig, run_bench
 from draftsmith.config import add_arguments, from_args, opt
 from draftsmith.drafters import DRAFTER_HELP
 from draftsmith.errors import DraftsmithError, GateFailed
+from draftsmith.evaluate import EvalConfig, run_eval
 from draftsmith.pipeline.config import DataSection
 from draftsmith.pipeline.kfp import KfpCompileConfig, compile_cli
 from draftsmith.pipeline.runner import PipelineRunConfig, RefreshConfig, refresh_cli, run_pipeline_cli
@@ -191,6 +192,8 @@ COMMANDS: dict[str, Command] = {
     "refresh": Command(RefreshConfig, refresh_cli, "retrain a draft after the verifier changed"),
     "bench": Command(BenchConfig, run_bench, "measure drafters vs plain decoding: speedup, acceptance, "
                      "break-even; write report.json, report.md and plots"),
+    "eval": Command(EvalConfig, run_eval, "teacher-forced acceptance of drafts on held-out prompts, in seconds "
+                    "(no timing)"),
     "export": Command(ExportConfig, run_export, "write a draft in the speculators format vLLM serves"),
     "kfp compile": Command(KfpCompileConfig, compile_cli, "compile the pipeline for Kubeflow Pipelines v2 (YAML)"),
     "kfp trainjob": Command(KfpTrainJobConfig, trainjob_cli, "write a Kubeflow Trainer TrainJob for multi-node "

@@ -404,22 +404,28 @@ def load_prompts(source: str | Path, split: str | None = None, limit: int | None
     return out
 
 
+def eval_conversations(name: str | Path, limit: int | None = None) -> list[Conversation]:
+    """The conversations of an evaluation set: what :func:`eval_set` templates.
+
+    A held-out set (``mt-bench``, ``humaneval``) is used whole; a registry training set
+    (``sharegpt``) gives its *validation* split, which training never sees; a local file
+    is taken whole (it is the user's own evaluation set).
+    """
+    key, spec = _resolve(name)
+    split = "test" if spec.held_out else ("validation" if key in DATASETS else "all")
+    return load_prompts(name, split=split, limit=limit)
+
+
 def eval_set(name: str | Path, tokenizer: Any, limit: int | None = None,
              max_length: int | None = None) -> list[tuple[str, list[int]]]:
     """Chat-templated first-turn prompts of an evaluation set as ``(id, token ids)``.
 
     ``mt-bench``: the 80 first turns. ``humaneval``: each code prompt as a user
-    message asking to complete the function (:data:`HUMANEVAL_INSTRUCTION`). A registry
-    training set (``sharegpt``) gives the prompts of its *validation* split, which training
-    never sees; a local file is taken whole (it is the user's own evaluation set).
+    message asking to complete the function (:data:`HUMANEVAL_INSTRUCTION`). Which
+    prompts: :func:`eval_conversations`.
 
     Raises:
         TooLong: a prompt does not fit ``max_length`` (an evaluation set is not silently shrunk).
     """
-    key, spec = _resolve(name)
-    # A registry training set (sharegpt) gives its validation split; a held-out set or a
-    # local file the user names as the evaluation set is used whole.
-    split = "test" if spec.held_out else ("validation" if key in DATASETS else "all")
-    convs = load_prompts(name, split=split, limit=limit)
+    convs = eval_conversations(name, limit)
     return [(p.conversation.id, p.input_ids) for p in encode_prompts(tokenizer, convs, max_length, on_long="error")]
-
