@@ -485,7 +485,7 @@ def read_draft(path: str | Path, device: str | torch.device = "cpu", dtype: str 
         DraftsmithError: naming the bad key or tensor.
     """
     p = Path(path)
-    cfg, facts = read_config(p, verifier_layers=verifier_layers)
+    cfg, _ = read_config(p, verifier_layers=verifier_layers)
     tensors = _load_tensors(p)
     floats = [t.dtype for t in tensors.values() if t.is_floating_point()]
     file_dtype = floats[0] if floats else torch.float32
@@ -520,7 +520,6 @@ def read_draft(path: str | Path, device: str | torch.device = "cpu", dtype: str 
     # rope tables are not in the file: rebuild them (in float32) on a real device
     draft.rotary_emb = type(draft.rotary_emb)(cfg.rope_config())
     draft.embed_tokens_from_verifier = no_embed
-    draft.source_notes = facts["notes"]
     return draft.to(device=device).eval()
 
 

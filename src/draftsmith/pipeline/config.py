@@ -7,7 +7,7 @@ key's dotted name before any expensive step starts.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -173,7 +173,3 @@ def check_out_dir(out: Path) -> None:
         raise DraftsmithError(f"out: {out} is not writable ({probe} is a file, not a directory)")
     if not os.access(probe, os.W_OK):
         raise DraftsmithError(f"out: {out} is not writable (no write permission on {probe})")
-
-
-def section_names() -> list[str]:
-    return [f.name for f in fields(PipelineConfig)]

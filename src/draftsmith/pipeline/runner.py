@@ -9,7 +9,6 @@ code says it (0 passed, 3 gate failed, 2 error).
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import time
 from dataclasses import dataclass
@@ -194,7 +193,3 @@ def refresh(cfg: RefreshConfig) -> dict[str, Any]:
 
 def refresh_cli(cfg: RefreshConfig) -> int:
     return _finish(refresh(cfg), Path(cfg.out))
-
-
-def load_report(out: Path) -> dict[str, Any]:
-    return json.loads((out / "report.json").read_text())

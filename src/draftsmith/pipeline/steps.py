@@ -273,7 +273,3 @@ def export(draft_dir: Path, out_dir: Path, *, verifier_name: str | None, num_dra
 
 def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def section_dict(section: Any) -> dict[str, Any]:
-    return to_dict(section)
