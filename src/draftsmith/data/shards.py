@@ -38,7 +38,6 @@ _META_KEY = "draftsmith"  # one metadata key: safetensors writes several keys in
 # Manifest fields that must match for a directory to be resumed; the rest may differ.
 _RESUME_KEYS = ("format", "fingerprint", "aux_layer_ids", "hidden_size", "dtype", "max_length", "samples_per_shard",
                 "trim_loops")
-_RESUME_DEFAULTS = {"trim_loops": False}  # what a manifest from before a key existed meant
 
 
 # ----------------------------------------------------------------------------- writing
@@ -93,7 +92,7 @@ def resume_entries(out_dir: Path, header: dict[str, Any]) -> dict[str, dict[str,
         raise DraftsmithError(f"{out_dir} holds shards captured from verifier {old.get('fingerprint')}, not "
                               f"{header['fingerprint']}; capture into another directory")
     for k in _RESUME_KEYS:
-        had = old.get(k, _RESUME_DEFAULTS.get(k))
+        had = old.get(k)
         if had != header[k]:
             raise DraftsmithError(f"{out_dir} holds a capture with {k}={had!r}, not {header[k]!r}; "
                                   "re-run with the same settings or capture into another directory")

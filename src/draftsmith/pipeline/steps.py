@@ -65,17 +65,12 @@ def regeneration_key(data: DataSection) -> dict[str, Any]:
     so changing them re-runs the capture, not the regeneration)."""
     d = to_dict(data)
     d.pop("trim_loops", None)
-    if not d.get("skip_conversations"):  # absent when 0: caches from before the option stay valid
-        d.pop("skip_conversations", None)
     return d
 
 
 def capture_key(data: DataSection) -> dict[str, Any]:
     """The capture settings its cached output depends on (besides the verifier and the replies)."""
-    key: dict[str, Any] = {"max_length": data.max_length}
-    if data.trim_loops:  # absent when off: caches from before the option stay valid
-        key["trim_loops"] = True
-    return key
+    return {"max_length": data.max_length, "trim_loops": data.trim_loops}
 
 
 def prompts_key(data: DataSection, v: "Verifier") -> dict[str, Any]:

@@ -97,14 +97,11 @@ class TrainConfig:
                                   "(a fresh draft takes --draft-vocab-size as it is)")
 
 
-# Options added later, with the value that means "as before": hashed only when they differ from it,
-# so checkpoints written before the option existed still resume.
-_OPTIONAL_RESULT_FIELDS = {"draft_intermediate_size": None, "train_lm_head": False, "extend_vocab": False,
-                           "vocab_data": None}
 # Fields that change the result; the rest (logging cadence, device) may differ on resume.
-_RESULT_FIELDS = ("verifier", "data", "draft_vocab_size", "ttt_steps", "step_weight", "epochs", "max_steps", "lr",
-                  "weight_decay", "warmup_ratio", "min_lr_ratio", "grad_clip", "pack_tokens", "grad_accum",
-                  "val_fraction", "init_from", "precision", "seed")
+_RESULT_FIELDS = ("verifier", "data", "draft_vocab_size", "draft_intermediate_size", "ttt_steps", "step_weight",
+                  "epochs", "max_steps", "lr", "weight_decay", "warmup_ratio", "min_lr_ratio", "grad_clip",
+                  "pack_tokens", "grad_accum", "val_fraction", "init_from", "extend_vocab", "vocab_data",
+                  "train_lm_head", "precision", "seed")
 
 
 @dataclass
@@ -306,13 +303,7 @@ def _split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
 
 def _config_hash(cfg: TrainConfig) -> str:
     d = to_dict(cfg)
-    fields = {k: d[k] for k in _RESULT_FIELDS}
-    if isinstance(fields["data"], list) and len(fields["data"]) == 1:
-        fields["data"] = fields["data"][0]  # one directory hashes as before lists: its checkpoints still resume
-    for k, before in _OPTIONAL_RESULT_FIELDS.items():
-        if d.get(k, before) != before:
-            fields[k] = d[k]
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps({k: d[k] for k in _RESULT_FIELDS}, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ----------------------------------------------------------------------------- the loop
