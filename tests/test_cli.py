@@ -111,3 +111,19 @@ def test_every_command_help_renders(cmd, capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: ") and "--" in out
+
+
+def test_help_text_with_a_percent_sign_renders():
+    """argparse %-formats help texts: a literal % must reach it escaped (it once crashed `data --help`)."""
+    import argparse
+    from dataclasses import dataclass
+
+    from draftsmith.config import add_arguments, opt
+
+    @dataclass
+    class Odd:
+        share: float = opt(0.5, "70% of replies loop")
+
+    parser = argparse.ArgumentParser(prog="odd")
+    add_arguments(parser, Odd)
+    assert "70% of replies loop" in parser.format_help()

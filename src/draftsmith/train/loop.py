@@ -52,7 +52,7 @@ class TrainConfig:
     warmup_ratio: float = opt(0.05, "fraction of steps spent warming up linearly")
     min_lr_ratio: float = opt(0.1, "cosine decay ends at lr * min_lr_ratio")
     grad_clip: float = opt(1.0, "gradient norm clip")
-    pack_tokens: int = opt(1024, "positions per packed row (each position attends over its row: 1024 trained 1.2-1.4x faster than 2048 on a CPU, BENCHMARKS.md section 7)")
+    pack_tokens: int = opt(1024, "positions per packed row (each position attends over its row)")
     grad_accum: int = opt(1, "rows per optimizer step (per rank)")
     val_fraction: float = opt(0.05, "fraction of samples held out to pick the best checkpoint")
     eval_every: int = opt(100, "optimizer steps between validations")
@@ -62,16 +62,12 @@ class TrainConfig:
                                 "--extend-vocab)")
     extend_vocab: bool = opt(False, "with --init-from: grow the draft's vocabulary to --draft-vocab-size, adding "
                              "the tokens of this data it lacks, most frequent first (their lm_head rows start "
-                             "as the verifier's). On SmolLM2-135M the 8192-token vocabulary of the first 3000 "
-                             "conversations covered 90.8% of MT-Bench reply tokens, a ceiling on acceptance "
-                             "(BENCHMARKS.md section 3)")
+                             "as the verifier's)")
     vocab_data: list[str] | None = opt(None, "capture directories whose reply tokens choose the draft vocabulary "
                                        "(default: the training samples of --data), e.g. every capture so far "
                                        "while training on the latest ones")
     train_lm_head: bool = opt(False, "also train the draft's lm_head (it starts as the verifier's rows and is "
-                              "frozen by default). On SmolLM2-135M it gave +0.03 acceptance length at equal "
-                              "steps but costs 1.19x the FLOPs per step, and the frozen head given as many "
-                              "FLOPs did better (BENCHMARKS.md section 3)")
+                              "frozen by default)")
     num_draft_tokens: int = opt(5, "speculative tokens written into the exported config")
     precision: Literal["auto", "fp32", "bf16"] = opt("auto", "bf16 autocast on CUDA / AMX CPUs, else fp32")
     seed: int = opt(0, "seed for initialisation and data order")
