@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from draftsmith.data import capture as C
-    from draftsmith.data.prompts import load_prompts
+    from draftsmith.data.sources import load_prompts
     from draftsmith.models.verifier import load_verifier
     from draftsmith.utils import environment_info
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.data.prompts import load_prompts, tokenize_conversations
+from draftsmith.data.sources import load_prompts
+from draftsmith.data.tokenize import tokenize_conversations
 from draftsmith.models.verifier import load_verifier
 
 

@@ -38,7 +38,7 @@ def main() -> None:
 
     from draftsmith.bench.measure import _environment
     from draftsmith.bench.verdict import TIE_ULPS, ulp
-    from draftsmith.data.prompts import eval_set
+    from draftsmith.data.sources import eval_set
     from draftsmith.models.verifier import load_verifier
 
     model, tok, fp = load_verifier(args.verifier, dtype=args.dtype)

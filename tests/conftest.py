@@ -127,14 +127,18 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 SPECIALS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]  # ids 0, 1, 2: conftest's bos 0, eos = pad = 1
 
 
-def echo_model(vocab: int, layers: int = 8, hidden: int = 256, seed: int = 0) -> torch.nn.Module:
+def echo_model(vocab: int, layers: int = 12, hidden: int = 256, seed: int = 0,
+               opener: tuple[int, int] | None = None) -> torch.nn.Module:
     """A Llama whose greedy output repeats its last input token: a verifier a draft can match.
 
     The layers' weights are small, so the residual stream stays close to the token's
     embedding, and the output head is the embedding matrix: the logits are the
-    similarity of the current token to every token, highest for itself. Wide enough
-    (hidden 256) that a verifier forward costs several times a draft step, so a draft
-    that learns the echo is measurably faster (the gate's pass path in tests).
+    similarity of the current token to every token, highest for itself. ``opener``
+    ``(a, b)``: after token a comes b (then b forever), e.g. a visible letter after the
+    newline that opens an assistant turn. Deep enough
+    (12 layers) that a verifier forward costs several times a one-layer draft step, so
+    a draft that learns the echo is measurably faster (the gate's pass path in tests,
+    on a measured speedup).
     """
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -146,26 +150,40 @@ def echo_model(vocab: int, layers: int = 8, hidden: int = 256, seed: int = 0) ->
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
-                p.normal_(0.0, (1.0 if "embed" in name else 0.05) / p.shape[-1] ** 0.5 * (hidden ** 0.5 if "embed" in name else 1.0))
+                p.normal_(0.0, 1.0 if "embed" in name else 0.05 / p.shape[-1] ** 0.5)
         model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+        if opener is not None:  # row b also points at a, more strongly than a's own row does
+            a, b = opener
+            model.lm_head.weight[b] += 1.5 * model.model.embed_tokens.weight[a]
     return model.eval()
+
+
+def save_chat_tokenizer(path: Path, tokens: list[str]) -> None:
+    """A byte-level tokenizer over ``tokens`` (id = position; no merges: one token per byte) with
+    SPECIALS as special tokens and a ChatML template, saved to ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                            pad_token="<|endoftext|>", chat_template=CHATML).save_pretrained(path)
 
 
 def save_tiny_chat_verifier(path: Path, layers: int = 8, echo: bool = False) -> Path:
     """A byte-level tokenizer with a ChatML template and a random tiny Llama, saved as an HF directory.
 
     8 layers: the default aux layers [2, n//2, n-3] must be distinct. ``echo``: the
-    verifier is :func:`echo_model` (predictable and slow enough for a draft to pay).
+    verifier is :func:`echo_model` (predictable, and slow enough for a draft to pay): its
+    replies are "aaaa...".
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import pre_tokenizers
 
-    vocab = {t: i for i, t in enumerate(SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per byte
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
-                            pad_token="<|endoftext|>", chat_template=CHATML).save_pretrained(path)
-    (echo_model(len(vocab), layers) if echo else tiny_model("llama", vocab=len(vocab), layers=layers)).save_pretrained(path)
+    tokens = SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet())
+    save_chat_tokenizer(path, tokens)
+    model = (echo_model(len(tokens), opener=(tokens.index("Ċ"), tokens.index("a"))) if echo
+             else tiny_model("llama", vocab=len(tokens), layers=layers))
+    model.save_pretrained(path)
     return path

@@ -32,7 +32,7 @@ if where:
     if where == "capture":
         from draftsmith.data import capture
 
-        capture._write_shard = after(capture._write_shard)
+        capture.write_shard = after(capture.write_shard)
     else:
         from draftsmith.train import loop
 

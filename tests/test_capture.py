@@ -15,8 +15,12 @@ import torch
 
 from conftest import interrupted_on_call, smollm2_tokenizer, tiny_model
 from draftsmith.data import capture as C
+from draftsmith.data import generation as G
+from draftsmith.data import regenerate as R
+from draftsmith.data import shards as SH
 from draftsmith.data.chat import encode_chat
-from draftsmith.data.prompts import Conversation, tokenize_conversation
+from draftsmith.data.conversation import Conversation
+from draftsmith.data.tokenize import tokenize_conversation
 from draftsmith.errors import DraftsmithError
 
 V = 49152  # SmolLM2's vocabulary: the tiny models cover every token id
@@ -69,7 +73,7 @@ def reference(m, ids: list[int], aux_layer_ids: list[int]) -> tuple[torch.Tensor
 
 
 def files(d: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.name != C.MANIFEST}
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.name != SH.MANIFEST}
 
 
 # ----------------------------------------------------------------------------- capture values
@@ -79,7 +83,7 @@ def test_shards_equal_an_unbatched_forward(tok, tmp_path, arch):
     ids = C.resolve_aux_layer_ids(m, AUX[arch])
     C.capture_to_shards(m, tok, convs, tmp_path, fingerprint=FP, verifier_spec="tiny", aux_layer_ids=AUX[arch],
                         batch_size=3, samples_per_shard=4, dtype=torch.float32, progress=False)
-    samples = list(C.load_shards(tmp_path, FP))
+    samples = list(SH.load_shards(tmp_path, FP))
     assert len(samples) == len(convs)
     for conv, s in zip(convs, samples):
         expect = tokenize_conversation(tok, conv.messages, 2048)
@@ -94,7 +98,7 @@ def test_shards_equal_an_unbatched_forward(tok, tmp_path, arch):
                                    atol=1e-4, rtol=1e-5)
         if getattr(m.config, "final_logit_softcapping", None) is None:
             torch.testing.assert_close(m.get_output_embeddings()(s["last"]), logits, atol=1e-4, rtol=1e-5)
-    manifest = C.read_manifest(tmp_path)
+    manifest = SH.read_manifest(tmp_path)
     assert manifest["aux_layer_ids"] == ids and manifest["dtype"] == "float32" and manifest["complete"]
     assert manifest["total_tokens"] == sum(s["input_ids"].numel() for s in samples)
     assert manifest["total_loss_tokens"] == sum(int(s["loss_mask"].sum()) for s in samples)
@@ -129,12 +133,12 @@ def test_online_mode_yields_what_the_shards_hold(tok, tmp_path):
     online = list(C.capture_samples(m, tok, convs, batch_size=3, window=4))
     C.capture_to_shards(m, tok, convs, tmp_path, fingerprint=FP, verifier_spec="tiny", batch_size=3,
                         samples_per_shard=4, progress=False)
-    stored = list(C.load_shards(tmp_path, FP))
-    ds = C.ShardDataset(tmp_path, FP)
+    stored = list(SH.load_shards(tmp_path, FP))
+    ds = SH.ShardDataset(tmp_path, FP)
     assert len(ds) == len(stored) == len(online) and ds.aux_layer_ids == [2, 2, 1]
     for i, (a, b) in enumerate(zip(online, stored)):
-        assert a.keys() == b.keys() == set(C.SAMPLE_KEYS)
-        assert all(torch.equal(a[k], b[k]) and torch.equal(ds[i][k], b[k]) for k in C.SAMPLE_KEYS)
+        assert a.keys() == b.keys() == set(SH.SAMPLE_KEYS)
+        assert all(torch.equal(a[k], b[k]) and torch.equal(ds[i][k], b[k]) for k in SH.SAMPLE_KEYS)
     assert all(torch.equal(x["aux"], y["aux"]) for x, y in zip(ds, stored))
 
 
@@ -175,7 +179,7 @@ def test_trim_loops_cuts_only_the_looping_reply(tok, tmp_path, caplog):
     cut = list(C.capture_samples(m, tok, convs, trim_loops=True))
     assert "1 loop trimmed" in caplog.text
     for a, b in zip(whole[:3], cut[:3]):  # replies that do not loop are untouched
-        assert all(torch.equal(a[k], b[k]) for k in C.SAMPLE_KEYS)
+        assert all(torch.equal(a[k], b[k]) for k in SH.SAMPLE_KEYS)
     a, b = whole[3], cut[3]
     start = int(a["loss_mask"].int().argmax())
     expected = start + C.loop_cut(a["input_ids"][start:].tolist())  # one assistant span, ending in <|im_end|>
@@ -184,7 +188,7 @@ def test_trim_loops_cuts_only_the_looping_reply(tok, tmp_path, caplog):
     assert torch.equal(b["aux"], a["aux"][:expected])  # a causal model: the kept prefix's states are unchanged
     out = tmp_path / "s"
     C.capture_to_shards(m, tok, convs, out, fingerprint=FP, verifier_spec="t", trim_loops=True, progress=False)
-    manifest = C.read_manifest(out)
+    manifest = SH.read_manifest(out)
     assert manifest["trim_loops"] is True and manifest["dropped"]["loop_trimmed"] == 1
     with pytest.raises(DraftsmithError, match="trim_loops=True, not False"):
         C.capture_to_shards(m, tok, convs, out, fingerprint=FP, verifier_spec="t", progress=False)
@@ -194,7 +198,7 @@ def test_bad_input_is_a_clear_error(tok, tmp_path):
     m = model()
     for call in (lambda c: C.capture_samples(m, tok, c),
                  lambda c: C.capture_to_shards(m, tok, c, tmp_path / "x", fingerprint=FP, verifier_spec="t"),
-                 lambda c: C.regenerate(m, tok, c, tmp_path / "r.jsonl", progress=False)):
+                 lambda c: R.regenerate(m, tok, c, tmp_path / "r.jsonl", progress=False)):
         with pytest.raises(DraftsmithError, match="the dataset is empty"):
             call([])
     with pytest.raises(DraftsmithError, match="none of the 7 conversations has an assistant turn"):
@@ -207,7 +211,7 @@ def test_bad_input_is_a_clear_error(tok, tmp_path):
     with pytest.raises(DraftsmithError, match="needs >= 4 layers"):
         C.capture_samples(model("gemma3"), tok, chats())
     with pytest.raises(DraftsmithError, match="is not a capture directory"):
-        list(C.load_shards(tmp_path))
+        list(SH.load_shards(tmp_path))
 
 
 # ----------------------------------------------------------------------------- shards: resume, provenance, damage
@@ -225,15 +229,15 @@ def test_capture_resumes_to_byte_identical_shards(tok, tmp_path, monkeypatch):
     monkeypatch.setattr(C, "_capture_window", interrupted_on_call(real))  # in the second shard
     with pytest.raises(KeyboardInterrupt):
         capture(m, tok, convs, tmp_path / "cut")
-    assert [p.name for p in (tmp_path / "cut").iterdir()] and not C.read_manifest(tmp_path / "cut")["complete"]
-    assert len(list(C.load_shards(tmp_path / "cut", FP))) == 3  # a partial capture is usable
+    assert [p.name for p in (tmp_path / "cut").iterdir()] and not SH.read_manifest(tmp_path / "cut")["complete"]
+    assert len(list(SH.load_shards(tmp_path / "cut", FP))) == 3  # a partial capture is usable
     monkeypatch.setattr(C, "_capture_window", real)
     recomputed = []
     monkeypatch.setattr(C, "_capture_window", lambda *a, **k: recomputed.append(1) or real(*a, **k))
     capture(m, tok, convs, tmp_path / "cut")
     assert len(recomputed) == 2  # shard 0 was kept, 1 and 2 computed
     assert files(tmp_path / "cut") == files(tmp_path / "full") and len(files(tmp_path / "full")) == 3
-    full, cut = (C.read_manifest(tmp_path / d) for d in ("full", "cut"))
+    full, cut = (SH.read_manifest(tmp_path / d) for d in ("full", "cut"))
     assert full["shards"] == cut["shards"] and cut["complete"]
     # A finished capture re-runs as a no-op; other settings or another verifier are refused.
     recomputed.clear()
@@ -250,33 +254,33 @@ def test_foreign_shard_is_refused(tok, tmp_path):
     capture(m, tok, chats(), tmp_path / "a")
     capture(other, tok, chats(), tmp_path / "b", fingerprint="0badc0de0badc0de")
     with pytest.raises(DraftsmithError, match=f"was captured from verifier {FP}, not 0badc0de0badc0de"):
-        list(C.load_shards(tmp_path / "a", "0badc0de0badc0de"))
+        list(SH.load_shards(tmp_path / "a", "0badc0de0badc0de"))
     with pytest.raises(DraftsmithError, match="not 0badc0de0badc0de"):
-        C.ShardDataset(tmp_path / "a", "0badc0de0badc0de")
+        SH.ShardDataset(tmp_path / "a", "0badc0de0badc0de")
     # a shard of the other verifier copied into the directory: refused by its own metadata, named
     shard = tmp_path / "a" / "shard-00001.safetensors"
     shard.write_bytes((tmp_path / "b" / "shard-00001.safetensors").read_bytes())
     msg = rf"shard {shard} was captured from verifier 0badc0de0badc0de, not {FP}"
     with pytest.raises(DraftsmithError, match=msg):
-        list(C.load_shards(tmp_path / "a", FP))
+        list(SH.load_shards(tmp_path / "a", FP))
     with pytest.raises(DraftsmithError, match=msg):
-        [C.ShardDataset(tmp_path / "a", FP)[i] for i in range(7)]
+        [SH.ShardDataset(tmp_path / "a", FP)[i] for i in range(7)]
     with pytest.raises(DraftsmithError, match="not " + FP):
-        C.read_shard(shard, FP)
+        SH.read_shard(shard, FP)
 
 
 def test_training_on_several_capture_directories(tok, tmp_path):
     """`draftsmith train --data A B` trains on both; the draft reads the layers the shards hold."""
-    from draftsmith.export import read_draft
+    from draftsmith.models.speculators import read_draft
     from draftsmith.train.loop import TrainConfig, train
 
     m, convs = model(), chats()
     layers = [0, 2, 3]  # not the default [2, n//2, n-3] = [2, 2, 1] of a 4-layer verifier
     capture(m, tok, convs[:4], tmp_path / "a", aux_layer_ids=layers)
     capture(m, tok, convs[4:], tmp_path / "b", aux_layer_ids=layers)
-    samples, held = C.load_capture_dirs([tmp_path / "a", tmp_path / "b"], FP)
+    samples, held = SH.load_capture_dirs([tmp_path / "a", tmp_path / "b"], FP)
     assert held == layers and [s["input_ids"].tolist() for s in samples] == \
-        [s["input_ids"].tolist() for d in "ab" for s in C.load_shards(tmp_path / d, FP)]
+        [s["input_ids"].tolist() for d in "ab" for s in SH.load_shards(tmp_path / d, FP)]
     assert len(samples) == len(convs)
 
     def run(dirs, out):
@@ -309,8 +313,8 @@ def test_vocab_data_chooses_the_vocabulary_from_other_captures(tok, tmp_path):
     capture(m, tok, convs[:2], tmp_path / "a")
     capture(m, tok, convs[2:], tmp_path / "b")
     V = m.get_output_embeddings().weight.shape[0]
-    counts_a = token_counts(C.load_shards(tmp_path / "a", FP), V)
-    counts_ab = counts_a + token_counts(C.load_shards(tmp_path / "b", FP), V)
+    counts_a = token_counts(SH.load_shards(tmp_path / "a", FP), V)
+    counts_ab = counts_a + token_counts(SH.load_shards(tmp_path / "b", FP), V)
 
     def run(out, **kw):
         cfg = TrainConfig(verifier="tiny", data=[str(tmp_path / "a")], out=str(tmp_path / out), pack_tokens=64,
@@ -345,24 +349,24 @@ def test_corrupt_shard_is_refused_with_its_name(tok, tmp_path, monkeypatch):
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
     with pytest.raises(DraftsmithError, match=rf"shard {shard} is corrupt"):
-        list(C.load_shards(tmp_path / "d", FP))
+        list(SH.load_shards(tmp_path / "d", FP))
     with pytest.raises(DraftsmithError, match=rf"shard {shard} is corrupt"):
-        C.ShardDataset(tmp_path / "d", FP)[4]
+        SH.ShardDataset(tmp_path / "d", FP)[4]
     with pytest.raises(DraftsmithError, match=rf"shard {shard} is corrupt"):
-        C.read_shard(shard)  # without the manifest: safetensors' own size checks
+        SH.read_shard(shard)  # without the manifest: safetensors' own size checks
     shard.write_bytes(b"\x00" * 4)
     with pytest.raises(DraftsmithError, match=rf"shard {shard} is corrupt or not a draftsmith shard"):
-        C.read_shard(shard, FP)
+        SH.read_shard(shard, FP)
     flipped = bytearray(data)
     flipped[-3] ^= 0xFF
     shard.write_bytes(bytes(flipped))  # same size, one bit of data changed: only the checksum sees it
     with pytest.raises(DraftsmithError, match="checksum does not match"):
-        list(C.load_shards(tmp_path / "d", FP))
-    (tmp_path / "d" / C.MANIFEST).write_text("{not json")
+        list(SH.load_shards(tmp_path / "d", FP))
+    (tmp_path / "d" / SH.MANIFEST).write_text("{not json")
     with pytest.raises(DraftsmithError, match="manifest.json is corrupt"):
-        list(C.load_shards(tmp_path / "d", FP))
+        list(SH.load_shards(tmp_path / "d", FP))
     # re-running the capture rebuilds the damaged shard from the manifest of the copy
-    (tmp_path / "d" / C.MANIFEST).write_bytes((tmp_path / "full" / C.MANIFEST).read_bytes())
+    (tmp_path / "d" / SH.MANIFEST).write_bytes((tmp_path / "full" / SH.MANIFEST).read_bytes())
     capture(m, tok, convs, tmp_path / "d")
     assert files(tmp_path / "d") == files(tmp_path / "full")
 
@@ -380,8 +384,8 @@ def test_disk_full_leaves_no_partial_shard(tok, tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", full_disk)
     with pytest.raises(DraftsmithError, match=r"shard-00001.safetensors: the disk is full; completed shards are kept"):
         capture(m, tok, convs, tmp_path / "d")
-    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == [C.MANIFEST, "shard-00000.safetensors"]
-    assert len(list(C.load_shards(tmp_path / "d", FP))) == 3
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == [SH.MANIFEST, "shard-00000.safetensors"]
+    assert len(list(SH.load_shards(tmp_path / "d", FP))) == 3
     monkeypatch.setattr(os, "fsync", real_fsync)
     capture(m, tok, convs, tmp_path / "d")
     assert files(tmp_path / "d") == files(tmp_path / "full")
@@ -390,15 +394,15 @@ def test_disk_full_leaves_no_partial_shard(tok, tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- regeneration
 def regen(m, tok, convs, path, **kw):
     kw = {"max_new_tokens": 10, "batch_size": 3, "progress": False, **kw}
-    return C.regenerate(m, tok, convs, path, **kw)
+    return R.regenerate(m, tok, convs, path, **kw)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_regenerate_resumes_to_an_identical_file(tok, tmp_path, monkeypatch, temperature):
     m, convs = model(), prompts()
     full = regen(m, tok, convs, tmp_path / "full.jsonl", temperature=temperature, seed=3)
-    real = C._generate_batch
-    monkeypatch.setattr(C, "_generate_batch", interrupted_on_call(real))  # after the first batch
+    real = R.generate_batch
+    monkeypatch.setattr(R, "generate_batch", interrupted_on_call(real))  # after the first batch
     cut = tmp_path / "cut.jsonl"
     with pytest.raises(KeyboardInterrupt):
         regen(m, tok, convs, cut, temperature=temperature, seed=3)
@@ -407,7 +411,7 @@ def test_regenerate_resumes_to_an_identical_file(tok, tmp_path, monkeypatch, tem
     # the run also died inside a write: a torn line, and one line of the next batch already out
     text = full.read_bytes().splitlines(keepends=True)
     cut.write_bytes(b"".join(lines) + text[3] + text[4][:17])
-    monkeypatch.setattr(C, "_generate_batch", real)
+    monkeypatch.setattr(R, "generate_batch", real)
     regen(m, tok, convs, cut, temperature=temperature, seed=3)
     assert cut.read_bytes() == full.read_bytes()
     recs = [json.loads(x) for x in text]
@@ -436,7 +440,7 @@ def test_regenerated_records(tok, tmp_path):
         assert meta["source"] == "test"
     assert by_id["q0"]["meta"]["category"] == "x"
     # the file is training data as it stands
-    back = C.load_regenerated(path)
+    back = R.load_regenerated(path)
     assert [c.id for c in back] == [r["id"] for r in recs] and all(c.has_assistant for c in back)
     assert len(list(C.capture_samples(m, tok, back))) == 5
     # greedy replies do not depend on the batch a prompt shares (left padding is masked)
@@ -493,7 +497,7 @@ def test_per_sample_sampler_draws_from_the_shared_transform():
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0, -8.0, 1.5]])
     params = SamplingParams(temperature=0.8, top_p=0.9)
     n = 40_000
-    sampler = C._PerSampleSampler(params, [torch.Generator().manual_seed(C.sample_seed(0, str(i))) for i in range(n)])
+    sampler = G._PerSampleSampler(params, [torch.Generator().manual_seed(G.sample_seed(0, str(i))) for i in range(n)])
     forced = sampler(None, logits.expand(n, -1).clone())
     assert torch.isfinite(forced).sum(-1).eq(1).all()  # exactly one token allowed per row
     freq = torch.bincount(forced.argmax(-1), minlength=8).double() / n
@@ -501,7 +505,7 @@ def test_per_sample_sampler_draws_from_the_shared_transform():
     assert (freq[p == 0] == 0).all()  # top-p removed tokens are never drawn
     assert 0.5 * (freq - p).abs().sum() < 0.01  # TV distance; ~0.004 expected at n = 40k
     # a row's draw depends on its own generator only, not on its neighbours
-    again = C._PerSampleSampler(params, [torch.Generator().manual_seed(C.sample_seed(0, str(i))) for i in (5, 7)])
+    again = G._PerSampleSampler(params, [torch.Generator().manual_seed(G.sample_seed(0, str(i))) for i in (5, 7)])
     assert torch.equal(again(None, logits.expand(2, -1).clone()).argmax(-1), forced.argmax(-1)[[5, 7]])
 
 
@@ -519,11 +523,11 @@ def test_real_verifier_greedy_replies_are_what_the_captured_states_predict(smoll
     m, tok, fp = smollm2
     convs = [Conversation([{"role": "user", "content": q}], id=str(i)) for i, q in
              enumerate(["What is the capital of France?", "Name three primary colors."])]
-    path = C.regenerate(m, tok, convs, tmp_path / "r.jsonl", max_new_tokens=16, progress=False, fingerprint=fp)
-    out = C.capture_to_shards(m, tok, C.load_regenerated(path), tmp_path / "shards", fingerprint=fp,
+    path = R.regenerate(m, tok, convs, tmp_path / "r.jsonl", max_new_tokens=16, progress=False, fingerprint=fp)
+    out = C.capture_to_shards(m, tok, R.load_regenerated(path), tmp_path / "shards", fingerprint=fp,
                               verifier_spec="smollm2-135m", max_length=256, dtype=torch.float32, progress=False)
-    samples = list(C.load_shards(out, fp))
-    assert len(samples) == 2 and C.read_manifest(out)["aux_layer_ids"] == [2, 15, 27]
+    samples = list(SH.load_shards(out, fp))
+    assert len(samples) == 2 and SH.read_manifest(out)["aux_layer_ids"] == [2, 15, 27]
     hits = total = 0
     for s in samples:
         pos = s["loss_mask"].nonzero()[:, 0][:-1]  # reply tokens; the end-of-turn token may be the template's

@@ -98,12 +98,12 @@ def test_help_lists_every_command(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for cmd in ("generate", "data", "train", "pipeline", "refresh", "bench", "export"):
+    for cmd in ("generate", "data", "train", "pipeline", "refresh", "eval", "bench", "export"):
         assert cmd in out
 
 
-@pytest.mark.parametrize("cmd", [["generate"], ["data"], ["train"], ["pipeline", "run"], ["refresh"], ["bench"],
-                                 ["export"], ["kfp"]])
+@pytest.mark.parametrize("cmd", [["generate"], ["data"], ["train"], ["pipeline", "run"], ["refresh"], ["eval"],
+                                 ["bench"], ["export"], ["kfp"]])
 def test_every_command_help_renders(cmd, capsys):
     """`--help` of every command prints its options (a literal % in a help text once crashed `data --help`)."""
     with pytest.raises(SystemExit) as e:
@@ -111,3 +111,19 @@ def test_every_command_help_renders(cmd, capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: ") and "--" in out
+
+
+def test_help_text_with_a_percent_sign_renders():
+    """argparse %-formats help texts: a literal % must reach it escaped (it once crashed `data --help`)."""
+    import argparse
+    from dataclasses import dataclass
+
+    from draftsmith.config import add_arguments, opt
+
+    @dataclass
+    class Odd:
+        share: float = opt(0.5, "70% of replies loop")
+
+    parser = argparse.ArgumentParser(prog="odd")
+    add_arguments(parser, Odd)
+    assert "70% of replies loop" in parser.format_help()

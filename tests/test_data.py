@@ -11,7 +11,9 @@ import pytest
 
 from conftest import smollm2_tokenizer
 
-from draftsmith.data import prompts as P
+from draftsmith.data import sources as P
+from draftsmith.data import tokenize as T
+from draftsmith.data.conversation import Conversation, record_to_conversation
 from draftsmith.data.chat import encode_chat
 from draftsmith.errors import DraftsmithError
 
@@ -90,16 +92,20 @@ def test_eval_sets_sizes_and_shapes():
         P.load_prompts("humaneval", split="validation")
 
 
+def eval_ids(name, tok, **kw):
+    return [ids for _, ids in P.eval_set(name, tok, **kw)]
+
+
 def test_eval_prompts_are_chat_templated_first_turns(tok):
-    ids = P.eval_prompts("mt-bench", tok, limit=3)
+    ids = eval_ids("mt-bench", tok, limit=3)
     mt = P.load_prompts("mt-bench", limit=3)
     assert ids == [encode_chat(tok, c.messages) for c in mt]
     text = tok.decode(ids[0])
     assert text.endswith("<|im_start|>assistant\n") and MT_BENCH_Q81 in text
-    he = P.eval_prompts("humaneval", tok, limit=2)
+    he = eval_ids("humaneval", tok, limit=2)
     assert len(he) == 2 and "def has_close_elements" in tok.decode(he[0])
-    with pytest.raises(P.TooLong, match="context"):
-        P.eval_prompts("mt-bench", tok, limit=2, max_length=10)
+    with pytest.raises(T.TooLong, match="context"):
+        eval_ids("mt-bench", tok, limit=2, max_length=10)
 
 
 # ----------------------------------------------------------------------------- local files
@@ -126,7 +132,7 @@ def test_jsonl_record_shapes(tmp_path):
 
 
 def test_turns_of_one_role_are_merged_and_records_round_trip(tmp_path):
-    conv = P.record_to_conversation({"conversations": [
+    conv = record_to_conversation({"conversations": [
         {"from": "human", "value": "part one"}, {"from": "human", "value": "part two"},
         {"from": "gpt", "value": "answer"}]}, "x")
     assert conv.messages == [{"role": "user", "content": "part one\n\npart two"},
@@ -184,7 +190,7 @@ def test_source_errors(tmp_path):
 
 
 def test_registry_is_extensible():
-    P.register_dataset("tiny", lambda: iter([P.Conversation([{"role": "user", "content": "hello"}], id="t")]))
+    P.register_dataset("tiny", lambda: iter([Conversation([{"role": "user", "content": "hello"}], id="t")]))
     try:
         assert [c.id for c in P.load_prompts("tiny", split="all")] == ["t"]
     finally:
@@ -208,8 +214,8 @@ def test_split_is_deterministic_and_content_based(tmp_path):
     assert 20 <= sum(v == "validation" for v in sa.values()) <= 60
     assert split_map(a, seed=1) != sa
     # Same prompt, different reply: same side of the split.
-    x = P.Conversation([{"role": "user", "content": "Q"}, {"role": "assistant", "content": "one"}])
-    y = P.Conversation([{"role": "user", "content": " q "}, {"role": "assistant", "content": "two"}])
+    x = Conversation([{"role": "user", "content": "Q"}, {"role": "assistant", "content": "one"}])
+    y = Conversation([{"role": "user", "content": " q "}, {"role": "assistant", "content": "two"}])
     assert all(P.split_of(x, f, s) == P.split_of(y, f, s) for f in (0.1, 0.5, 0.9) for s in range(5))
 
 
@@ -241,7 +247,7 @@ CHAT = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content"
 
 
 def test_loss_mask_covers_exactly_assistant_content_and_end_token(tok):
-    s = P.tokenize_conversation(tok, CHAT)
+    s = T.tokenize_conversation(tok, CHAT)
     assert s.input_ids == encode_chat(tok, CHAT, add_generation_prompt=False)
     assert len(s.loss_mask) == len(s.input_ids)
     assert masked_texts(tok, s) == ["Hello! How can I help?<|im_end|>", "2 + 2 = 4.<|im_end|>"]
@@ -249,14 +255,14 @@ def test_loss_mask_covers_exactly_assistant_content_and_end_token(tok):
     prompt = encode_chat(tok, CHAT[:1])
     assert s.input_ids[:len(prompt)] == prompt and runs(s.loss_mask)[0][0] == len(prompt)
     with_system = [{"role": "system", "content": "Be terse."}] + CHAT[:2]
-    assert masked_texts(tok, P.tokenize_conversation(tok, with_system)) == ["Hello! How can I help?<|im_end|>"]
+    assert masked_texts(tok, T.tokenize_conversation(tok, with_system)) == ["Hello! How can I help?<|im_end|>"]
 
 
 def test_loss_mask_when_tokens_would_merge_across_the_header(tok):
     # "\n" closing the header and the reply's leading newlines merge into one token in a
     # single pass; the sample keeps prompt and reply tokenized apart, as at generation.
     chat = [{"role": "user", "content": "List two."}, {"role": "assistant", "content": "\n\n- a\n- b"}]
-    s = P.tokenize_conversation(tok, chat)
+    s = T.tokenize_conversation(tok, chat)
     one_pass = encode_chat(tok, chat, add_generation_prompt=False)
     assert s.input_ids != one_pass and tok.decode(s.input_ids) == tok.decode(one_pass)
     assert masked_texts(tok, s) == ["\n\n- a\n- b<|im_end|>"]
@@ -264,9 +270,9 @@ def test_loss_mask_when_tokens_would_merge_across_the_header(tok):
 
 
 def test_offset_fallback_agrees_with_segments(tok):
-    full, spans = P._assistant_spans(tok, CHAT)
-    special = P._special_ids(tok)
-    assert P._mask_by_offsets(tok, full, spans, special) == P._mask_by_segments(tok, full, spans, special)
+    full, spans = T._assistant_spans(tok, CHAT)
+    special = T._special_ids(tok)
+    assert T._mask_by_offsets(tok, full, spans, special) == T._mask_by_segments(tok, full, spans, special)
 
 
 def test_loss_mask_with_other_templates(tok, monkeypatch):
@@ -275,12 +281,12 @@ def test_loss_mask_with_other_templates(tok, monkeypatch):
         "{% for m in messages %}{% if m.role == 'user' %}User: {{ m.content | trim }}\n"
         "{% else %}Assistant: {{ m.content | trim }}<|endoftext|>\n{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}Assistant:{% endif %}"))
-    s = P.tokenize_conversation(tok, [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": " A. "}])
+    s = T.tokenize_conversation(tok, [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": " A. "}])
     assert masked_texts(tok, s) == [" A.<|endoftext|>"]
     monkeypatch.setattr(tok, "chat_template", (
         "{% for m in messages %}{{ m.role }}: {{ m.content }}\n\n{% endfor %}"
         "{% if add_generation_prompt %}assistant:{% endif %}"))
-    s = P.tokenize_conversation(tok, [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}])
+    s = T.tokenize_conversation(tok, [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}])
     assert masked_texts(tok, s) == [" A.\n\n"]  # no end token: the separator ends the reply
     # A template that renders a turn differently once it is not the last one (as Qwen3 does with
     # reasoning) cannot be masked by prefixes: a clear error, not a wrong mask.
@@ -288,62 +294,62 @@ def test_loss_mask_with_other_templates(tok, monkeypatch):
         "{% for m in messages %}{{ m.role }}: {% if m.role == 'assistant' and loop.last %}<think></think>"
         "{% endif %}{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"))
     with pytest.raises(DraftsmithError, match="renders earlier turns differently"):
-        P.tokenize_conversation(tok, CHAT)
-    assert masked_texts(tok, P.tokenize_conversation(tok, CHAT[:2])) == ["<think></think>Hello! How can I help?\n"]
+        T.tokenize_conversation(tok, CHAT)
+    assert masked_texts(tok, T.tokenize_conversation(tok, CHAT[:2])) == ["<think></think>Hello! How can I help?\n"]
 
 
 def test_template_rejections_are_clear_errors(tok, monkeypatch):
     monkeypatch.setattr(tok, "chat_template", "{{ raise_exception('Conversation roles must alternate') }}")
     with pytest.raises(DraftsmithError, match="chat template rejects the conversation: Conversation roles"):
-        P.tokenize_conversation(tok, CHAT)
+        T.tokenize_conversation(tok, CHAT)
 
 
 def test_tokenize_errors_and_truncation(tok, monkeypatch):
     with pytest.raises(DraftsmithError, match="no assistant turn"):
-        P.tokenize_conversation(tok, CHAT[:1])
-    full = P.tokenize_conversation(tok, CHAT)
+        T.tokenize_conversation(tok, CHAT[:1])
+    full = T.tokenize_conversation(tok, CHAT)
     n_prompt = runs(full.loss_mask)[0][0]
-    cut = P.tokenize_conversation(tok, CHAT, max_length=n_prompt + 3)
+    cut = T.tokenize_conversation(tok, CHAT, max_length=n_prompt + 3)
     assert cut == (full.input_ids[:n_prompt + 3], full.loss_mask[:n_prompt + 3])
-    with pytest.raises(P.TooLong, match="exceeds the context"):
-        P.tokenize_conversation(tok, CHAT, max_length=n_prompt + 3, truncate=False)
-    with pytest.raises(P.TooLong, match="leaves no room for a reply"):
-        P.tokenize_conversation(tok, CHAT, max_length=n_prompt)
+    with pytest.raises(T.TooLong, match="exceeds the context"):
+        T.tokenize_conversation(tok, CHAT, max_length=n_prompt + 3, truncate=False)
+    with pytest.raises(T.TooLong, match="leaves no room for a reply"):
+        T.tokenize_conversation(tok, CHAT, max_length=n_prompt)
     monkeypatch.setattr(tok, "chat_template", None)
     with pytest.raises(DraftsmithError, match="no chat template"):
-        P.tokenize_conversation(tok, CHAT)
+        T.tokenize_conversation(tok, CHAT)
 
 
 def test_tokenize_conversations_policies(tok):
-    short = P.Conversation([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo."}], id="s")
-    long = P.Conversation([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "word " * 50}],
+    short = Conversation([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo."}], id="s")
+    long = Conversation([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "word " * 50}],
                           id="l")
-    huge_prompt = P.Conversation([{"role": "user", "content": "word " * 80},
+    huge_prompt = Conversation([{"role": "user", "content": "word " * 80},
                                   {"role": "assistant", "content": "ok"}], id="p")
-    no_reply = P.Conversation([{"role": "user", "content": "Hi"}], id="n")
+    no_reply = Conversation([{"role": "user", "content": "Hi"}], id="n")
     convs = [short, long, huge_prompt, no_reply]
-    limit = len(P.tokenize_conversation(tok, short.messages).input_ids) + 10
-    samples, counts = P.tokenize_conversations(tok, convs, limit, overflow="truncate")
+    limit = len(T.tokenize_conversation(tok, short.messages).input_ids) + 10
+    samples, counts = T.tokenize_conversations(tok, convs, limit, overflow="truncate")
     assert counts == {"kept": 2, "truncated": 1, "dropped_too_long": 1, "dropped_no_reply": 1}
     assert all(len(s.input_ids) <= limit for s in samples)
-    _, counts = P.tokenize_conversations(tok, convs, limit, overflow="drop")
+    _, counts = T.tokenize_conversations(tok, convs, limit, overflow="drop")
     assert counts == {"kept": 1, "truncated": 0, "dropped_too_long": 2, "dropped_no_reply": 1}
-    with pytest.raises(P.TooLong, match="conversation 'l'"):
-        P.tokenize_conversations(tok, convs, limit, overflow="error")
+    with pytest.raises(T.TooLong, match="conversation 'l'"):
+        T.tokenize_conversations(tok, convs, limit, overflow="error")
     with pytest.raises(DraftsmithError, match="no conversation has an assistant turn"):
-        P.tokenize_conversations(tok, [no_reply])
+        T.tokenize_conversations(tok, [no_reply])
     with pytest.raises(DraftsmithError, match="unknown overflow policy"):
-        P.tokenize_conversations(tok, convs, overflow="cut")
+        T.tokenize_conversations(tok, convs, overflow="cut")
 
 
 def test_encode_prompts_drops_long_prompts_with_a_count(tok, caplog):
-    convs = [P.Conversation([{"role": "user", "content": "Hi"}], id="a"),
-             P.Conversation([{"role": "user", "content": "word " * 100}], id="b")]
+    convs = [Conversation([{"role": "user", "content": "Hi"}], id="a"),
+             Conversation([{"role": "user", "content": "word " * 100}], id="b")]
     with caplog.at_level("WARNING"):
-        out = P.encode_prompts(tok, convs, max_length=64)
+        out = T.encode_prompts(tok, convs, max_length=64)
     assert [p.conversation.id for p in out] == ["a"] and "dropped 1 prompts" in caplog.text
     assert out[0].input_ids == encode_chat(tok, convs[0].messages)
-    with pytest.raises(P.TooLong, match="prompt 'b'"):
-        P.encode_prompts(tok, convs, max_length=64, on_long="error")
+    with pytest.raises(T.TooLong, match="prompt 'b'"):
+        T.encode_prompts(tok, convs, max_length=64, on_long="error")
     with pytest.raises(DraftsmithError, match="all 1 prompts"):
-        P.encode_prompts(tok, convs[1:], max_length=64)
+        T.encode_prompts(tok, convs[1:], max_length=64)

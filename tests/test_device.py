@@ -54,7 +54,8 @@ def test_greedy_float32_identical_for_every_drafter(device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_eagle3_draft_outputs_equal_up_to_ties(device, dtype):
     """A random EAGLE-3 draft on the device: outputs equal plain decoding, up to ties in bfloat16."""
-    from draftsmith.export import load_draft, save_draft
+    from draftsmith.drafters import load_draft
+    from draftsmith.export import save_draft
 
     base = tiny_model("llama", layers=8)
     verifier = _on(base, device, dtype)

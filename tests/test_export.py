@@ -13,7 +13,9 @@ from draftsmith import generate
 from draftsmith.cli import main
 from draftsmith.drafters import build_proposer
 from draftsmith.errors import DraftsmithError
-from draftsmith.export import load_draft, read_draft, read_provenance, save_draft
+from draftsmith.drafters import load_draft
+from draftsmith.export import save_draft
+from draftsmith.models.speculators import read_draft, read_provenance
 from draftsmith.models.eagle3 import Eagle3Proposer
 
 FLAGS = {

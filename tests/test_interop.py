@@ -20,7 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draft_factory import DRAFT_VOCAB, LAYERS, random_draft, save_verifier, tiny_verifier, ttt_inputs
-from draftsmith.export import load_draft, read_draft, save_draft
+from draftsmith.drafters import load_draft
+from draftsmith.export import save_draft
+from draftsmith.models.speculators import read_draft
 
 pytestmark = pytest.mark.interop
 

@@ -1,6 +1,5 @@
-"""Kubeflow: the compiled KFP v2 pipeline (components, artifacts, gate condition), a real local run
-with kfp.local's SubprocessRunner on a tiny verifier (gate passing, then failing), and the
-Trainer v2 TrainJob manifest.
+"""Kubeflow: the compiled KFP v2 pipeline (components, artifacts, gate condition) and a real local run
+with kfp.local's SubprocessRunner on a tiny verifier (gate passing, then failing).
 """
 
 from __future__ import annotations
@@ -40,9 +39,9 @@ def tiny_setup(tmp_path_factory):
     config = root / "pipeline.yaml"
     config.write_text(yaml.safe_dump({
         "verifier": str(verifier), "preset": "tiny", "out": str(root / "unused"), "device": "cpu",
-        "data": {"dataset": str(data), "num_conversations": 4, "max_new_tokens": 16, "batch_size": 4,
+        "data": {"dataset": str(data), "num_conversations": 4, "max_new_tokens": 48, "batch_size": 4,
                  "max_length": 128, "dtype": "float32"},
-        "train": {"epochs": 1, "draft_vocab_size": 128, "pack_tokens": 128, "eval_every": 5},
+        "train": {"epochs": 10, "lr": 3e-3, "draft_vocab_size": 128, "pack_tokens": 128, "eval_every": 10},
         "bench": {"num_prompts": 4, "max_new_tokens": 48, "num_draft_tokens": [3], "hf_reference": False},
     }))
     return verifier, config
@@ -157,7 +156,7 @@ def test_local_subprocess_run_gate_pass_then_fail(tiny_setup, tmp_path):
     kfp = pytest.importorskip("kfp")
     from kfp import local
 
-    from draftsmith.export import read_draft, read_provenance
+    from draftsmith.models.speculators import read_draft, read_provenance
 
     verifier, config = tiny_setup
     cfg = build_config(str(config))
@@ -206,76 +205,6 @@ def test_local_subprocess_run_gate_pass_then_fail(tiny_setup, tmp_path):
     assert bf16["provenance"]["dtype"] == "bfloat16"
     assert not (run / "train").exists()  # served from the cache: the gate's slice alone changed
     del kfp
-
-
-# ----------------------------------------------------------------------------- the TrainJob
-def _train_argv(command: list[str]) -> list[str]:
-    assert command[:4] == ["torchrun", "--module", "draftsmith.cli", "train"]
-    return command[4:]
-
-
-def test_trainjob_manifest_runs_draftsmith_train_under_torchrun():
-    train = TrainConfig(verifier="/data/verifier", data="/data/run/shards", out="/data/draft", epochs=2.5,
-                        lr=3e-4, precision="bf16", draft_vocab_size=16384)
-    m = K.trainjob_manifest(train, num_nodes=4, nproc_per_node=8, gpus_per_node=8, image="reg/draftsmith:1",
-                            pvc="draftsmith-data", namespace="ml")
-    assert m["apiVersion"] == "trainer.kubeflow.org/v1alpha1" and m["kind"] == "TrainJob"
-    assert m["metadata"] == {"name": "draftsmith-train", "namespace": "ml",
-                             "labels": {"app.kubernetes.io/name": "draftsmith", "app.kubernetes.io/component": "train"}}
-    assert m["spec"]["runtimeRef"] == {"apiGroup": "trainer.kubeflow.org", "kind": "ClusterTrainingRuntime",
-                                       "name": "torch-distributed"}
-    trainer = m["spec"]["trainer"]
-    assert trainer["image"] == "reg/draftsmith:1"
-    assert trainer["numNodes"] == 4 and trainer["numProcPerNode"] == 8
-    assert trainer["resourcesPerNode"] == {"limits": {"nvidia.com/gpu": 8}}
-    # the flags after `train` parse back, with the `draftsmith train` parser, into the same config
-    ns = build_parser().parse_args(["train", *_train_argv(trainer["command"])])
-    assert from_args(TrainConfig, ns) == train
-    # the claim is mounted into the trainer container ("node") of every node
-    (patch,) = m["spec"]["runtimePatches"]
-    (job,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
-    pod = job["template"]["spec"]["template"]["spec"]
-    assert job["name"] == "node" and pod["volumes"] == [
-        {"name": "draftsmith-data", "persistentVolumeClaim": {"claimName": "draftsmith-data"}}]
-    assert pod["containers"] == [{"name": "node", "volumeMounts": [{"name": "draftsmith-data", "mountPath": "/data"}]}]
-    # YAML round trip
-    assert yaml.safe_load(yaml.safe_dump(m)) == m
-
-
-def test_trainjob_without_image_installs_draftsmith_in_the_runtime_image():
-    m = K.trainjob_manifest(TrainConfig(verifier="smollm2-135m", data="/d/shards"), package="draftsmith==0.1.0")
-    trainer = m["spec"]["trainer"]
-    assert "image" not in trainer and "numProcPerNode" not in trainer and "runtimePatches" not in m["spec"]
-    assert trainer["command"][:2] == ["bash", "-c"]
-    script = trainer["command"][2]
-    assert script.startswith("pip install --quiet draftsmith==0.1.0 && exec torchrun --module draftsmith.cli train ")
-    import shlex
-
-    argv = shlex.split(script.split("exec ", 1)[1])
-    assert argv[4:] == ["--verifier", "smollm2-135m", "--data", "/d/shards"]
-
-
-def test_trainjob_cli_layers_flags_over_config_file(tmp_path):
-    config = tmp_path / "p.yaml"
-    config.write_text(yaml.safe_dump({"preset": "full", "train": {"lr": 5e-4}}))
-    out = tmp_path / "tj.yaml"
-    rc = main(["kfp", "trainjob", "--verifier", "/data/v", "--data", "/data/shards", "--config", str(config),
-               "--epochs", "2", "--num-nodes", "2", "--nproc-per-node", "4", "--image", "img", "--pvc", "claim",
-               "--name", "eagle-train", "--out", str(out)])
-    assert rc == 0
-    m = yaml.safe_load(out.read_text())
-    assert m["metadata"]["name"] == "eagle-train" and m["spec"]["trainer"]["numNodes"] == 2
-    cfg = from_args(TrainConfig, build_parser().parse_args(["train", *_train_argv(m["spec"]["trainer"]["command"])]))
-    full = build_config(str(config)).train
-    assert cfg.epochs == 2  # the flag wins over the file
-    default_ttt = TrainConfig.__dataclass_fields__["ttt_steps"].default
-    assert full.ttt_steps != default_ttt  # the preset sets it, so it shows whether the preset travelled
-    assert cfg.lr == 5e-4 and cfg.ttt_steps == full.ttt_steps  # the file (and its preset) under it
-    assert (cfg.verifier, cfg.data, cfg.out) == ("/data/v", ["/data/shards"], "/data/draft")
-    assert main(["kfp", "trainjob", "--verifier", "v", "--data", "d", "--name", "Bad_Name",
-                 "--out", str(tmp_path / "x.yaml")]) == EXIT_ERROR
-    assert main(["kfp", "trainjob", "--verifier", "v", "--data", "d", "--num-nodes", "0",
-                 "--out", str(tmp_path / "x.yaml")]) == EXIT_ERROR
 
 
 def test_to_argv_round_trips_through_the_parser():

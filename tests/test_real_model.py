@@ -7,7 +7,7 @@ import torch
 
 from conftest import perturbed_copy
 from draftsmith import generate
-from draftsmith.data.prompts import eval_prompts
+from draftsmith.data.sources import eval_set
 from draftsmith.decoding import DraftModelProposer, NgramProposer
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,7 @@ def test_greedy_equivalence_smollm2(smollm2):
                 "partial": DraftModelProposer(perturbed_copy(model, noise=0.15)), "ngram": NgramProposer()}
     n = 40
     stats = {}
-    for prompt in eval_prompts("mt-bench", tok, limit=3):
+    for _, prompt in eval_set("mt-bench", tok, limit=3):
         plain = generate(model, prompt, max_new_tokens=n).token_ids
         ids = torch.tensor([prompt])
         hf = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n)

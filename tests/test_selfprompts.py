@@ -14,7 +14,7 @@ import torch
 
 from conftest import interrupted_on_call, smollm2_tokenizer, tiny_model
 from draftsmith.data import selfprompts as S
-from draftsmith.data.prompts import load_prompts
+from draftsmith.data.sources import load_prompts
 from draftsmith.errors import DraftsmithError
 
 V = 49152
@@ -89,20 +89,20 @@ def test_self_prompts_are_the_verifiers_and_resume_to_an_identical_file(tok, tmp
         assert c.messages[0]["content"] == by_index[c.meta["self_prompt_index"]]["text"].strip()
     # the requests are sampled from the verifier after the user-turn prefix: the first one, by hand
     prefix = S.user_turn_prefix(tok)
-    from draftsmith.data.capture import _generate_batch, _eos_ids, sample_seed
+    from draftsmith.data.generation import eos_ids, generate_batch, sample_seed
     from draftsmith.decoding.sampling import SamplingParams
-    ids, reason = _generate_batch(m, [prefix], [sample_seed(1, "self-0")],
-                                  SamplingParams(temperature=S.TEMPERATURE, top_p=S.TOP_P),
-                                  S.MAX_REQUEST_TOKENS, _eos_ids(m, tok), 0)[0]
+    ids, reason = generate_batch(m, [prefix], [sample_seed(1, "self-0")],
+                                 SamplingParams(temperature=S.TEMPERATURE, top_p=S.TOP_P),
+                                 S.MAX_REQUEST_TOKENS, eos_ids(m, tok), 0)[0]
     assert recs[0]["text"] == tok.decode(ids, skip_special_tokens=True) and recs[0]["finish_reason"] == reason
 
     # interrupted in the second batch's generate, then torn inside a write: the resume draws the same
-    real = S._generate_batch
+    real = S.generate_batch
     cut = tmp_path / "cut.jsonl"
-    monkeypatch.setattr(S, "_generate_batch", interrupted_on_call(real))
+    monkeypatch.setattr(S, "generate_batch", interrupted_on_call(real))
     with pytest.raises(KeyboardInterrupt):
         write(m, tok, cut)
-    monkeypatch.setattr(S, "_generate_batch", real)
+    monkeypatch.setattr(S, "generate_batch", real)
     assert len(attempts(cut)) == 4
     lines = full.read_bytes().splitlines(keepends=True)
     cut.write_bytes(b"".join(lines[:5]) + lines[5][:20])  # one line of batch 2 out, one torn

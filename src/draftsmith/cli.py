@@ -14,10 +14,11 @@ from draftsmith.bench import BenchConfig, run_bench
 from draftsmith.config import add_arguments, from_args, opt
 from draftsmith.drafters import DRAFTER_HELP
 from draftsmith.errors import DraftsmithError, GateFailed
+from draftsmith.evaluate import EvalConfig, run_eval
 from draftsmith.pipeline.config import DataSection
-from draftsmith.pipeline.kfp import (KfpCompileConfig, KfpTrainJobConfig, compile_cli, trainjob_cli,
-                                    trainjob_defaults)
+from draftsmith.pipeline.kfp import KfpCompileConfig, compile_cli
 from draftsmith.pipeline.runner import PipelineRunConfig, RefreshConfig, refresh_cli, run_pipeline_cli
+from draftsmith.pipeline.trainjob import KfpTrainJobConfig, trainjob_cli, trainjob_defaults
 from draftsmith.train.loop import TrainConfig
 
 EXIT_ERROR = 2
@@ -134,7 +135,8 @@ class ExportConfig:
 def run_export(cfg: ExportConfig) -> int:
     from pathlib import Path
 
-    from draftsmith.export import read_draft, read_provenance, save_draft, serve_commands
+    from draftsmith.export import save_draft, serve_commands
+    from draftsmith.models.speculators import read_draft, read_provenance
     from draftsmith.models.verifier import load_verifier
 
     previous = read_provenance(cfg.draft) or {}
@@ -183,6 +185,8 @@ COMMANDS: dict[str, Command] = {
     "refresh": Command(RefreshConfig, refresh_cli, "retrain a draft after the verifier changed"),
     "bench": Command(BenchConfig, run_bench, "measure drafters vs plain decoding: speedup, acceptance, "
                      "break-even; write report.json, report.md and plots"),
+    "eval": Command(EvalConfig, run_eval, "teacher-forced acceptance of drafts on held-out prompts, in seconds "
+                    "(no timing)"),
     "export": Command(ExportConfig, run_export, "write a draft in the speculators format vLLM serves"),
     "kfp compile": Command(KfpCompileConfig, compile_cli, "compile the pipeline for Kubeflow Pipelines v2 (YAML)"),
     "kfp trainjob": Command(KfpTrainJobConfig, trainjob_cli, "write a Kubeflow Trainer TrainJob for multi-node "

@@ -1,11 +1,16 @@
-"""Build a proposer from a drafter spec string (the CLI's ``--drafter``)."""
+"""Proposers from what a user names: a drafter spec string (the CLI's ``--drafter``) or a draft directory."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
 from draftsmith.decoding.proposers import DraftModelProposer, NgramProposer, Proposer
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.eagle3 import Eagle3Proposer
+from draftsmith.models.speculators import read_config, read_draft, validate_against_verifier
+from draftsmith.models.verifier import text_config
 
 DRAFTER_HELP = ("ngram | ngram:MAX_N | model:SPEC (a smaller LM with the same tokenizer) "
                 "| a draft directory (EAGLE-3, speculators format)")
@@ -37,10 +42,27 @@ def build_proposer(spec: str | None, verifier: torch.nn.Module, tokenizer: objec
         proposer = DraftModelProposer(draft)
         proposer.check_compatible(verifier)
         return proposer
-    from pathlib import Path
-
     if Path(spec).is_dir():
-        from draftsmith.export import load_draft
-
         return load_draft(spec, verifier)
     raise DraftsmithError(f"unknown --drafter {spec!r}; expected {DRAFTER_HELP}")
+
+
+def load_draft(path: str | Path, verifier: torch.nn.Module) -> Eagle3Proposer:
+    """Load a speculators-format EAGLE-3 draft for ``verifier``; return its proposer.
+
+    The draft is validated against the verifier (hidden size, vocabulary, layer
+    ids), put on its device and dtype, and given the verifier's input embedding
+    when the file carries none.
+    """
+    vc = text_config(verifier)
+    cfg, _ = read_config(path, verifier_layers=vc.num_hidden_layers)
+    validate_against_verifier(cfg, verifier, what=f"draft {str(path)!r}")
+    p = next(verifier.parameters())
+    draft = read_draft(path, device=p.device, dtype=p.dtype if p.is_floating_point() else None,
+                       verifier_layers=vc.num_hidden_layers)
+    if draft.embed_tokens_from_verifier:
+        with torch.no_grad():
+            draft.embed_tokens.weight.copy_(verifier.get_input_embeddings().weight)
+    proposer = Eagle3Proposer(draft)
+    proposer.check_compatible(verifier)
+    return proposer

@@ -1,9 +1,11 @@
-"""Small shared helpers: devices, dtypes, cache dir, atomic writes, provenance."""
+"""Small shared helpers: devices, dtypes, cache dir, atomic writes, append-only files, provenance."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import logging
 import os
 import platform
 import shutil
@@ -15,6 +17,8 @@ from typing import Any, Iterator
 import torch
 
 from draftsmith.errors import DraftsmithError
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -99,6 +103,31 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+
+
+def write_failure(e: OSError) -> str:
+    """Why a write failed, in words ("the disk is full" for a full disk or quota)."""
+    return "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+
+
+def complete_lines(path: Path) -> list[bytes]:
+    """The complete lines of an append-only JSONL file (none if it does not exist).
+
+    Every record is written as one line ending in "\\n", so text after the last one is a
+    torn write of an interrupted run: it is cut off the file, with a warning.
+    """
+    if not path.exists():
+        return []
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DraftsmithError(f"cannot read {path}: {e.strerror or e}") from e
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        log.warning("%s: dropping a torn last line (%d bytes) from an interrupted run", path, len(data) - end)
+        with open(path, "r+b") as f:
+            f.truncate(end)
+    return data[:end].splitlines()
 
 
 def environment_info() -> dict[str, Any]:

@@ -272,7 +272,7 @@ def measure_draft_costs(model: torch.nn.Module, proposer: Proposer, prompt: Sequ
 
 def _load_eval_prompts(dataset: str, tokenizer: object, limit: int | None) -> list[tuple[str, list[int]]]:
     """Eval prompts as ``(prompt id, token ids)`` from the dataset registry (first user turns)."""
-    from draftsmith.data.prompts import eval_set
+    from draftsmith.data.sources import eval_set
 
     return eval_set(dataset, tokenizer, limit)
 

@@ -31,10 +31,13 @@ from typing import Any
 
 import torch
 
-from draftsmith.data.capture import _eos_ids, _generate_batch, _pad_id, complete_lines, sample_seed, write_failure
-from draftsmith.data.prompts import Conversation, _ids, _render, normalize_text, remove_eval_overlap
+from draftsmith.data.conversation import Conversation, normalize_text
+from draftsmith.data.generation import eos_ids, generate_batch, pad_id, sample_seed
+from draftsmith.data.sources import remove_eval_overlap
+from draftsmith.data.tokenize import render_chat, text_ids
 from draftsmith.decoding.sampling import SamplingParams
 from draftsmith.errors import DraftsmithError
+from draftsmith.utils import complete_lines, write_failure
 
 SELF_DATASET = "self"
 #: Sampling for the requests (not the replies): Magpie samples at temperature 1;
@@ -52,12 +55,12 @@ def user_turn_prefix(tokenizer: Any) -> list[int]:
     Raises:
         DraftsmithError: the template does not reproduce the user's text verbatim.
     """
-    text = _render(tokenizer, [{"role": "user", "content": _MARKER}])
+    text = render_chat(tokenizer, [{"role": "user", "content": _MARKER}])
     at = text.find(_MARKER)
     if at < 0:
         raise DraftsmithError("the verifier's chat template does not copy a user's text verbatim, so the "
                               "verifier cannot be asked to write prompts; use a prompt dataset instead")
-    ids = _ids(tokenizer, text[:at])
+    ids = text_ids(tokenizer, text[:at])
     if not ids:
         raise DraftsmithError("the verifier's chat template puts nothing before a user's text; cannot ask the "
                               "verifier to write prompts (use a prompt dataset instead)")
@@ -91,8 +94,8 @@ def select_prompts(attempts: list[dict[str, Any]], n: int) -> tuple[list[Convers
 
     Dropped: unfinished (no end-of-turn within the token limit), shorter than
     ``MIN_REQUEST_CHARS`` after stripping, a duplicate of an earlier request
-    (after :func:`~draftsmith.data.prompts.normalize_text`), or overlapping a
-    held-out evaluation set (:func:`~draftsmith.data.prompts.remove_eval_overlap`).
+    (after :func:`~draftsmith.data.conversation.normalize_text`), or overlapping a
+    held-out evaluation set (:func:`~draftsmith.data.sources.remove_eval_overlap`).
     """
     counts = {"attempts": 0, "unfinished": 0, "too_short": 0, "duplicate": 0, "eval_overlap": 0}
     kept: list[Conversation] = []
@@ -166,8 +169,8 @@ def write_self_prompts(model: torch.nn.Module, tokenizer: Any, n: int, attempts_
     attempts_path = Path(attempts_path)
     attempts = _read_attempts(attempts_path, generation, skip)
     kept, counts = select_prompts(attempts, n)
-    eos = _eos_ids(model, tokenizer)
-    pad = _pad_id(tokenizer, eos)
+    eos = eos_ids(model, tokenizer)
+    pad = pad_id(tokenizer, eos)
     attempts_path.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=n, initial=len(kept), desc="self-prompts", unit="prompt", disable=not progress)
     t0 = time.perf_counter()
@@ -178,9 +181,9 @@ def write_self_prompts(model: torch.nn.Module, tokenizer: Any, n: int, attempts_
                 # regenerates a torn batch whole and draws exactly what the first run drew.
                 start = skip + (len(attempts) // batch_size) * batch_size
                 indices = list(range(start, start + batch_size))
-                outs = _generate_batch(model, [prefix] * len(indices),
-                                       [sample_seed(seed, f"self-{i}") for i in indices], params,
-                                       MAX_REQUEST_TOKENS, eos, pad)
+                outs = generate_batch(model, [prefix] * len(indices),
+                                      [sample_seed(seed, f"self-{i}") for i in indices], params,
+                                      MAX_REQUEST_TOKENS, eos, pad)
                 lines = []
                 for i, (ids, reason) in zip(indices, outs):
                     if i < skip + len(attempts):

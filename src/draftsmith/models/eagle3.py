@@ -257,7 +257,7 @@ class Eagle3Draft(nn.Module):
         self.rotary_emb = LlamaRotaryEmbedding(cfg.rope_config())
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         # Queries per attention block in the TTT unroll (0: one block of all L). Only speed
-        # depends on it (benchmarks/train_step_ab.py); results agree to rounding.
+        # depends on it (BENCHMARKS.md section 7); results agree to rounding.
         self.ttt_attn_chunk = 256
 
     # ------------------------------------------------------------------ building blocks

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -194,7 +194,12 @@ def load_verifier(spec: str | os.PathLike, dtype: str | torch.dtype | None = "au
     return LoadedVerifier(model, tokenizer, _cached_fingerprint(model, source))
 
 
+def text_config(obj: Any) -> Any:
+    """The decoder's config of a model or of its config (multimodal configs nest it)."""
+    cfg = getattr(obj, "config", obj)
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
 def context_length(model: torch.nn.Module) -> int | None:
     """The model's maximum sequence length, when its config states one."""
-    cfg = getattr(model.config, "get_text_config", lambda: model.config)()
-    return getattr(cfg, "max_position_embeddings", None)
+    return getattr(text_config(model), "max_position_embeddings", None)

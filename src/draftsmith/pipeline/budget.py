@@ -209,8 +209,9 @@ def calibrate(vd: Any, v: Any, data: Any, train: Any, bench: Any, work: Path, pr
     Returns:
         The measured :class:`Rates`; ``load_seconds`` includes the calibration itself.
     """
-    from draftsmith.data.capture import capture_samples, load_regenerated, regenerate
-    from draftsmith.data.prompts import eval_set, load_prompts
+    from draftsmith.data.capture import capture_samples, resolve_aux_layer_ids
+    from draftsmith.data.regenerate import load_regenerated, regenerate
+    from draftsmith.data.sources import eval_set, load_prompts
     from draftsmith.decoding.engine import generate
     from draftsmith.train.loop import TrainConfig
     from draftsmith.train.loop import train as run_train
@@ -248,8 +249,6 @@ def calibrate(vd: Any, v: Any, data: Any, train: Any, bench: Any, work: Path, pr
     cfg = TrainConfig(verifier=v.spec, out=str(out), draft_vocab_size=train.draft_vocab_size, pack_tokens=pack,
                       ttt_steps=train.ttt_steps, precision=train.precision, val_fraction=0.0, eval_every=10**6,
                       checkpoint_every=10**6, max_steps=4, epochs=100.0, device=v.device)
-    from draftsmith.data.capture import resolve_aux_layer_ids
-
     run_train(cfg, samples=samples, verifier=v.model, fingerprint="calibration",
               aux_layer_ids=resolve_aux_layer_ids(model), progress=False)
     rates = [json.loads(line).get("tokens_per_s") for line in (out / "metrics.jsonl").read_text().splitlines()]

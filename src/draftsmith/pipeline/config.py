@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,7 +26,7 @@ SMALL_BUDGET = 20.0
 
 def check_training_source(dataset: str, key: str) -> None:
     """A training prompt source: ``self``, a registry name that is not held out, or an existing path."""
-    from draftsmith.data.prompts import DATASETS
+    from draftsmith.data.sources import DATASETS
 
     if dataset == "self" or Path(dataset).expanduser().exists():
         return
@@ -42,31 +42,25 @@ class DataSection:
     """Prompts and the verifier's regenerated responses."""
 
     dataset: str = opt("sharegpt", "training prompts: sharegpt, a JSONL file, a datasets directory, or self "
-                                   "(the verifier writes them itself from its chat template's user turn, "
-                                   "Magpie-style: a source that never runs out, in the verifier's own domain)")
+                                   "(the verifier writes them itself from its chat template's user turn)")
     num_conversations: int = opt(256, "conversations to regenerate (the first N of the train split, after "
                                       "--skip-conversations)")
     skip_conversations: int = opt(0, "skip the train split's first N conversations, e.g. those an earlier run "
                                      "regenerated: fresh replies to train on next to it (`draftsmith train --data "
-                                     "OLD/shards NEW/shards`; fresh replies gained 3.4x as much as another pass "
-                                     "over old ones, BENCHMARKS.md section 3); with --dataset self, the first N "
-                                     "attempts (the prompts step prints the N that makes all attempts new)")
+                                     "OLD/shards NEW/shards`); with --dataset self, the first N attempts (the "
+                                     "prompts step prints the N that makes all attempts new)")
     max_new_tokens: int = opt(256, "longest regenerated response")
-    temperature: float = opt(0.0, "regeneration temperature (0: the verifier's greedy outputs, right for a "
-                                  "draft served at greedy; replies sampled at 0.7 trained a worse one, "
-                                  "BENCHMARKS.md section 3)")
-    batch_size: int = opt(64, "regeneration batch size (a decode step costs about the same at 16 or 128 rows "
-                               "on CPU, so large batches are several times faster)")
+    temperature: float = opt(0.0, "regeneration temperature (0: the verifier's greedy outputs, for a draft "
+                                  "served at greedy)")
+    batch_size: int = opt(64, "regeneration batch size (prompts per generate call)")
     max_prompt_tokens: int = opt(512, "longer prompts are dropped")
     max_length: int = opt(1024, "capture truncates samples to this many tokens")
     capture_batch_size: int = opt(8, "capture forward batch size")
-    trim_loops: bool = opt(True, "capture cuts a reply 32 tokens after it falls into a repetition loop (70% "
-                                 "of SmolLM2-135M's greedy ShareGPT replies loop; trained on the cut data, "
-                                 "the draft accepts more on MT-Bench at the same training steps)")
+    trim_loops: bool = opt(True, "capture cuts a reply 32 tokens after it falls into a repetition loop")
     samples_per_shard: int = opt(64, "conversations per capture shard (an interrupted capture resumes "
                                      "after the last complete shard)")
     dtype: str = opt("auto", "verifier dtype while regenerating and capturing: auto = bfloat16 on CUDA and on "
-                             "CPUs with AMX (2-4x faster there), else float32")
+                             "CPUs with AMX, else float32")
     seed: int = opt(0, "split and sampling seed")
 
     def __post_init__(self) -> None:
@@ -171,7 +165,3 @@ def check_out_dir(out: Path) -> None:
         raise DraftsmithError(f"out: {out} is not writable ({probe} is a file, not a directory)")
     if not os.access(probe, os.W_OK):
         raise DraftsmithError(f"out: {out} is not writable (no write permission on {probe})")
-
-
-def section_names() -> list[str]:
-    return [f.name for f in fields(PipelineConfig)]

@@ -9,7 +9,6 @@ code says it (0 passed, 3 gate failed, 2 error).
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import time
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from draftsmith.utils import atomic_write_json, command_line, environment_info
 
 def _previous_draft(cfg: PipelineConfig, fingerprint: str) -> Path | None:
     """The draft to beat: --previous-draft, else OUT/draft made for this same verifier."""
-    from draftsmith.export import read_provenance
+    from draftsmith.models.speculators import read_provenance
 
     if cfg.previous_draft:
         p = Path(cfg.previous_draft)
@@ -216,7 +215,3 @@ def refresh(cfg: RefreshConfig) -> dict[str, Any]:
 
 def refresh_cli(cfg: RefreshConfig) -> int:
     return _finish(refresh(cfg), Path(cfg.out))
-
-
-def load_report(out: Path) -> dict[str, Any]:
-    return json.loads((out / "report.json").read_text())

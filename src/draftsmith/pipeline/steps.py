@@ -66,17 +66,12 @@ def regeneration_key(data: DataSection) -> dict[str, Any]:
     so changing them re-runs the capture, not the regeneration)."""
     d = to_dict(data)
     d.pop("trim_loops", None)
-    if not d.get("skip_conversations"):  # absent when 0: caches from before the option stay valid
-        d.pop("skip_conversations", None)
     return d
 
 
 def capture_key(data: DataSection) -> dict[str, Any]:
     """The capture settings its cached output depends on (besides the verifier and the replies)."""
-    key: dict[str, Any] = {"max_length": data.max_length}
-    if data.trim_loops:  # absent when off: caches from before the option stay valid
-        key["trim_loops"] = True
-    return key
+    return {"max_length": data.max_length, "trim_loops": data.trim_loops}
 
 
 def prompts_key(data: DataSection, v: "Verifier") -> dict[str, Any]:
@@ -95,7 +90,7 @@ def prompts(data: DataSection, work: Path, v: "Verifier | None" = None) -> dict[
 
     With ``--dataset self`` the verifier ``v`` writes them (:mod:`draftsmith.data.selfprompts`).
     """
-    from draftsmith.data.prompts import load_prompts
+    from draftsmith.data.sources import load_prompts
     from draftsmith.data.selfprompts import SELF_DATASET, write_self_prompts
 
     skip = data.skip_conversations
@@ -126,8 +121,8 @@ def prompts(data: DataSection, work: Path, v: "Verifier | None" = None) -> dict[
 
 def regenerate(v: Verifier, prompts_path: Path, data: DataSection, work: Path) -> dict[str, Any]:
     """The verifier's own replies to the prompts -> ``regenerated.jsonl`` (resumable)."""
-    from draftsmith.data.capture import regenerate as _regenerate
-    from draftsmith.data.prompts import load_prompts
+    from draftsmith.data.regenerate import regenerate as _regenerate
+    from draftsmith.data.sources import load_prompts
 
     convs = load_prompts(prompts_path, split="all", exclude_eval=False, dedupe=False)
     path = _regenerate(v.model, v.tokenizer, convs, work / "regenerated.jsonl", max_new_tokens=data.max_new_tokens,
@@ -139,7 +134,9 @@ def regenerate(v: Verifier, prompts_path: Path, data: DataSection, work: Path) -
 
 def capture(v: Verifier, regenerated: Path, data: DataSection, work: Path) -> dict[str, Any]:
     """Hidden states of the verifier over its regenerated conversations -> shards."""
-    from draftsmith.data.capture import capture_to_shards, load_regenerated, read_manifest
+    from draftsmith.data.capture import capture_to_shards
+    from draftsmith.data.regenerate import load_regenerated
+    from draftsmith.data.shards import read_manifest
 
     out = capture_to_shards(v.model, v.tokenizer, load_regenerated(regenerated), work / "shards",
                             fingerprint=v.fingerprint, verifier_spec=v.spec, max_length=data.max_length,
@@ -175,7 +172,7 @@ def run_data_steps(cache: Any, data: DataSection, vd: Verifier, fp: str) -> tupl
 def train(v: Verifier, shards: Path, section: TrainSection, work: Path, num_draft_tokens: int = 5,
           verifier_name: str | None = None) -> dict[str, Any]:
     """Train the draft on the shards (resumable) -> ``train/draft``."""
-    from draftsmith.data.capture import read_manifest
+    from draftsmith.data.shards import read_manifest
     from draftsmith.train.loop import TrainConfig
     from draftsmith.train.loop import train as _train
 
@@ -195,8 +192,8 @@ def bench(v: Verifier, drafts: dict[str, Path], section: BenchSection, work: Pat
           progress: bool = True) -> dict[str, Any]:
     """Measure the drafts (label -> dir) against plain decoding on held-out prompts."""
     from draftsmith.bench import BenchConfig, BenchSettings, benchmark
-    from draftsmith.data.prompts import eval_set
-    from draftsmith.export import load_draft
+    from draftsmith.data.sources import eval_set
+    from draftsmith.drafters import load_draft
     from draftsmith.utils import command_line
 
     cfg = BenchConfig(verifier=v.spec, out=work, draft=[str(d) for d in drafts.values()], progress=progress,
@@ -249,7 +246,8 @@ def export_metadata(cfg: PipelineConfig, trained: dict[str, Any], tokens: int | 
 def export(draft_dir: Path, out_dir: Path, *, verifier_name: str | None, num_draft_tokens: int | None,
            fingerprint: str, metrics: dict[str, Any], provenance: dict[str, Any]) -> dict[str, Any]:
     """Write the deployable draft (speculators format + model card) to ``out_dir``."""
-    from draftsmith.export import read_draft, save_draft
+    from draftsmith.export import save_draft
+    from draftsmith.models.speculators import read_draft
 
     draft = read_draft(draft_dir)
     path = save_draft(draft, out_dir, verifier_name=verifier_name, num_draft_tokens=num_draft_tokens,
@@ -259,7 +257,3 @@ def export(draft_dir: Path, out_dir: Path, *, verifier_name: str | None, num_dra
 
 def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def section_dict(section: Any) -> dict[str, Any]:
-    return to_dict(section)

@@ -112,14 +112,11 @@ class TrainConfig(TrainSettings):
             raise DraftsmithError(f"--num-draft-tokens must be >= 1, got {self.num_draft_tokens}")
 
 
-# Options added later, with the value that means "as before": hashed only when they differ from it,
-# so checkpoints written before the option existed still resume.
-_OPTIONAL_RESULT_FIELDS = {"draft_intermediate_size": None, "train_lm_head": False, "extend_vocab": False,
-                           "vocab_data": None}
 # Fields that change the result; the rest (logging cadence, device) may differ on resume.
-_RESULT_FIELDS = ("verifier", "data", "draft_vocab_size", "ttt_steps", "step_weight", "epochs", "max_steps", "lr",
-                  "weight_decay", "warmup_ratio", "min_lr_ratio", "grad_clip", "pack_tokens", "grad_accum",
-                  "val_fraction", "init_from", "precision", "seed")
+_RESULT_FIELDS = ("verifier", "data", "draft_vocab_size", "draft_intermediate_size", "ttt_steps", "step_weight",
+                  "epochs", "max_steps", "lr", "weight_decay", "warmup_ratio", "min_lr_ratio", "grad_clip",
+                  "pack_tokens", "grad_accum", "val_fraction", "init_from", "extend_vocab", "vocab_data",
+                  "train_lm_head", "precision", "seed")
 
 
 @dataclass
@@ -321,13 +318,7 @@ def _split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
 
 def _config_hash(cfg: TrainConfig) -> str:
     d = to_dict(cfg)
-    fields = {k: d[k] for k in _RESULT_FIELDS}
-    if isinstance(fields["data"], list) and len(fields["data"]) == 1:
-        fields["data"] = fields["data"][0]  # one directory hashes as before lists: its checkpoints still resume
-    for k, before in _OPTIONAL_RESULT_FIELDS.items():
-        if d.get(k, before) != before:
-            fields[k] = d[k]
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps({k: d[k] for k in _RESULT_FIELDS}, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -347,7 +338,7 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
     """
     from tqdm.auto import tqdm
 
-    from draftsmith.export import read_draft, save_draft
+    from draftsmith.models.speculators import read_draft, write_draft
     from draftsmith.models.verifier import load_verifier
 
     dist = _Dist(cfg.device)
@@ -357,7 +348,7 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
     if samples is None:
         if not cfg.data:
             raise DraftsmithError("--data is required (a directory of captured shards)")
-        from draftsmith.data.capture import load_capture_dirs
+        from draftsmith.data.shards import load_capture_dirs
 
         samples, captured_layers = load_capture_dirs(cfg.data, fingerprint)
         if aux_layer_ids is None:  # the draft must read the layers the shards hold, not the default ones
@@ -374,7 +365,7 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
     def vocab_counts() -> torch.Tensor:
         """Reply-token counts that choose the vocabulary: ``cfg.vocab_data``, else the training samples."""
         if cfg.vocab_data:
-            from draftsmith.data.capture import load_shards
+            from draftsmith.data.shards import load_shards
 
             chosen: Iterable[dict] = (s for d in cfg.vocab_data for s in load_shards(Path(d), fingerprint))
         else:
@@ -499,10 +490,10 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
 
     def save_best(metrics: dict[str, Any]) -> None:
         if dist.main:
-            save_draft(draft, out / "draft", verifier_name=draft.config.verifier_name,
-                       num_draft_tokens=cfg.num_draft_tokens, fingerprint=fingerprint,
-                       provenance={"train_config": to_dict(cfg), "step": step, "command": command_line()},
-                       metrics=metrics)
+            write_draft(draft, out / "draft", verifier_name=draft.config.verifier_name,
+                        num_draft_tokens=cfg.num_draft_tokens, fingerprint=fingerprint,
+                        provenance={"train_config": to_dict(cfg), "step": step, "command": command_line()},
+                        metrics=metrics)
 
     metrics_f = open(out / "metrics.jsonl", "a") if dist.main else None
     draft.train()

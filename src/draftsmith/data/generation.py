@@ -1,0 +1,99 @@
+"""Batched generation with the verifier, shared by regeneration and self-written prompts.
+
+:func:`generate_batch` runs one left-padded HF ``generate`` over several prompts;
+with sampling, each row draws from its own generator seeded by :func:`sample_seed`,
+so a reply does not depend on which rows share its batch or on a resume.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Sequence
+
+import torch
+
+from draftsmith.decoding.sampling import SamplingParams, logits_to_probs
+from draftsmith.errors import DraftsmithError
+
+
+class _PerSampleSampler:
+    """A logits processor that samples each row with its own generator and forces that token.
+
+    HF ``generate`` draws one batch-wide random stream, so a row's sample would
+    depend on which rows share its batch, and a resumed run would differ. Here row
+    ``b`` draws from ``generators[b]`` (seeded from the sample's id) through the
+    project's one sampling transform; greedy decoding then picks the forced token.
+    """
+
+    def __init__(self, params: SamplingParams, generators: list[torch.Generator]) -> None:
+        self.params = params
+        self.generators = generators
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        cdf = logits_to_probs(scores, self.params).cumsum(-1)  # [B, V]
+        # Inverse-CDF draw: one uniform per row (torch.multinomial takes ~15 ms per 50k-token row on CPU).
+        u = torch.cat([torch.rand(1, generator=g, device=cdf.device) for g in self.generators])  # [B]
+        tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=cdf.shape[-1] - 1)
+        forced = torch.full_like(scores, float("-inf"))
+        return forced.scatter_(1, tokens, 0.0)
+
+
+def sample_seed(seed: int, sample_id: str) -> int:
+    """The sampling seed of one sample: a hash of ``(seed, id)``, independent of batching and resumes."""
+    digest = hashlib.sha256(f"{seed}\0{sample_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
+
+
+def eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
+    """The tokens that end a reply: the generation config's and the tokenizer's end-of-sequence ids.
+
+    Raises:
+        DraftsmithError: the verifier names none.
+    """
+    ids: set[int] = set()
+    for src in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif src is not None:
+            ids.update(int(t) for t in src)
+    if not ids:
+        raise DraftsmithError("the verifier has no end-of-sequence token (generation_config.eos_token_id or "
+                              "tokenizer.eos_token); cannot tell where a reply ends")
+    return sorted(ids)
+
+
+def pad_id(tokenizer: Any, eos: Sequence[int]) -> int:
+    """The padding token: the tokenizer's, else the first end-of-sequence token."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return int(pad) if pad is not None else int(eos[0])
+
+
+def generate_batch(model: torch.nn.Module, prompts: list[list[int]], seeds: list[int], params: SamplingParams,
+                   max_new_tokens: int, eos: list[int], pad: int) -> list[tuple[list[int], str]]:
+    """Replies to ``prompts`` in one left-padded ``generate``: ``(token ids without eos, finish reason)``."""
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
+        ids[b, width - len(p):] = torch.tensor(p)
+        mask[b, width - len(p):] = 1
+    processors = LogitsProcessorList()
+    if not params.greedy:
+        gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        processors.append(_PerSampleSampler(params, gens))
+    # A fresh config: the model's own generation_config may carry sampling defaults or penalties.
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad)
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
+                             logits_processor=processors)
+    results = []
+    stop = set(eos)
+    for row in out[:, width:].tolist():
+        end = next((j for j, t in enumerate(row) if t in stop), None)
+        results.append((row, "length") if end is None else (row[:end], "stop"))
+    return results
+

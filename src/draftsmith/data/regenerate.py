@@ -1,0 +1,236 @@
+"""Regeneration: the verifier answers the training prompts itself (batched, resumable).
+
+A draft must learn the *verifier's* distribution, not the dataset's: replies
+written by another model teach it tokens the verifier would not produce.
+:func:`regenerate` appends one JSONL record per prompt; :func:`load_regenerated`
+reads the file back as the conversations capture runs the verifier over.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from draftsmith.data.chat import encode_chat
+from draftsmith.data.conversation import Conversation, record_to_conversation, require_conversations
+from draftsmith.data.generation import eos_ids, generate_batch, pad_id, sample_seed
+from draftsmith.decoding.sampling import SamplingParams
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.verifier import context_length
+from draftsmith.utils import complete_lines, write_failure
+
+log = logging.getLogger(__name__)
+
+
+def _read_regenerated(path: Path, generation: dict[str, Any], known_ids: set[str]) -> set[str]:
+    """Ids already regenerated in ``path``; a torn last line (interrupted write) is cut off.
+
+    Raises:
+        DraftsmithError: a complete line is not JSON, was made with other settings,
+            or belongs to another dataset.
+    """
+    done: set[str] = set()
+    for n, raw in enumerate(complete_lines(path), start=1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+            rid, gen = str(rec["id"]), rec["meta"]["generation"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise DraftsmithError(f"{path} line {n} is not a regenerated record ({type(e).__name__}); "
+                                  "the file is corrupt or not draftsmith's: use another output path") from e
+        if gen != generation:
+            changed = sorted(k for k in set(gen) | set(generation) if gen.get(k) != generation.get(k))
+            was = {k: gen.get(k) for k in changed}
+            raise DraftsmithError(f"{path} was regenerated with other settings ({', '.join(changed)} differ: "
+                                  f"{was}); use another output path or the same settings")
+        if rid not in known_ids:
+            raise DraftsmithError(f"{path} line {n} holds sample {rid!r}, which is not in this dataset; "
+                                  "use another output path for another dataset")
+        done.add(rid)
+    return done
+
+
+def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[Conversation], out_path: Path, *,
+               max_new_tokens: int = 256, temperature: float = 0.0, top_p: float | None = None,
+               batch_size: int = 8, max_prompt_tokens: int | None = None, seed: int = 0, progress: bool = True,
+               fingerprint: str | None = None) -> Path:
+    """Answer every prompt with the verifier and append the conversations to a JSONL file.
+
+    Each line is ``{"id", "messages", "meta"}``: the conversation's prompt messages
+    (:meth:`~draftsmith.data.conversation.Conversation.prompt_messages`) plus one
+    assistant message with the verifier's reply. ``meta`` keeps the source's meta
+    and adds ``source``, ``finish_reason`` (``stop``: end-of-sequence token;
+    ``length``: ``max_new_tokens`` reached; ``empty``: the reply was empty, the
+    record then has no assistant turn and capture skips it), ``prompt_tokens``,
+    ``completion_tokens`` and ``generation`` (the settings, checked on resume).
+
+    Batches are left-padded here (the tokenizer is not touched) with an attention
+    mask; generation stops at the verifier's end-of-sequence tokens, which are not
+    part of the reply.
+
+    Order and resume: prompts are sorted by length (longest first, ties by input
+    position) and cut into batches, which limits padding; each batch's records
+    are written in input order, flushed, and fsynced. A re-run reads the file
+    (cutting a torn last line), skips finished ids and regenerates only the rest,
+    with the same batches as an uninterrupted run, so the final file is identical
+    either way. Sampling (``temperature > 0``) draws each sample from its own
+    generator seeded by ``(seed, id)`` (:func:`~draftsmith.data.generation.sample_seed`)
+    for the same reason.
+
+    Args:
+        model: the verifier.
+        tokenizer: its tokenizer (with a chat template).
+        conversations: prompts; ids must be unique (they key the resume).
+        out_path: the JSONL file (created or continued).
+        max_new_tokens: reply length limit.
+        temperature: 0 = greedy; > 0 samples.
+        top_p: nucleus filter when sampling.
+        batch_size: prompts per ``generate`` call.
+        max_prompt_tokens: drop prompts longer than this (besides the context limit).
+        seed: salts the per-sample sampling seeds.
+        progress: show a progress bar with generated tokens/s.
+        fingerprint: the verifier's fingerprint, recorded in ``meta.generation``
+            (a resume with another verifier is refused).
+
+    Returns:
+        ``out_path``.
+
+    Raises:
+        DraftsmithError: empty dataset, duplicate ids, every prompt too long for the
+            context, a file made with other settings or data, or a write failure
+            (finished records stay in the file).
+    """
+    from tqdm.auto import tqdm
+
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    if max_new_tokens < 1:
+        raise DraftsmithError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if batch_size < 1:
+        raise DraftsmithError(f"--batch-size must be >= 1, got {batch_size}")
+    if max_prompt_tokens is not None and max_prompt_tokens < 1:
+        raise DraftsmithError(f"--max-prompt-tokens must be >= 1, got {max_prompt_tokens}")
+    convs = require_conversations(conversations, "regenerate")
+    seen: set[str] = set()
+    for c in convs:
+        if c.id in seen:
+            raise DraftsmithError(f"conversation id {c.id!r} occurs twice; regeneration resumes by id, so ids "
+                                  "must be unique (load the dataset with dedupe, or give records an 'id')")
+        seen.add(c.id)
+    generation = {"max_new_tokens": max_new_tokens, "temperature": float(temperature), "top_p": top_p,
+                  "seed": seed, "verifier": fingerprint}
+    out_path = Path(out_path)
+    done = _read_regenerated(out_path, generation, seen)
+
+    # Prompts must leave room for max_new_tokens in the context.
+    ctx = context_length(model)
+    limit = max_prompt_tokens
+    if ctx is not None:
+        if ctx - max_new_tokens < 1:
+            raise DraftsmithError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the "
+                                  f"verifier's context of {ctx} tokens")
+        limit = min(limit or ctx, ctx - max_new_tokens)
+    prompts: list[tuple[int, list[int]]] = []
+    for j, c in enumerate(convs):
+        ids = encode_chat(tokenizer, c.prompt_messages(), add_generation_prompt=True)
+        if limit is None or len(ids) <= limit:
+            prompts.append((j, ids))
+    dropped = len(convs) - len(prompts)
+    if not prompts:
+        why = (f"--max-prompt-tokens {max_prompt_tokens}" if limit == max_prompt_tokens else
+               f"the verifier's context of {ctx} tokens minus --max-new-tokens {max_new_tokens}")
+        raise DraftsmithError(f"all {len(convs)} prompts are longer than {limit} tokens ({why}); nothing to "
+                              "regenerate")
+    if dropped:
+        log.warning("regenerate: dropped %d of %d prompts longer than %d tokens", dropped, len(convs), limit)
+
+    order = sorted(prompts, key=lambda p: (-len(p[1]), p[0]))
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    eos = eos_ids(model, tokenizer)
+    pad = pad_id(tokenizer, eos)
+    todo = sum(convs[j].id not in done for j, _ in prompts)
+    if not todo:
+        log.info("regenerate: all %d replies already in %s", len(prompts), out_path)
+        return out_path
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=len(prompts), initial=len(prompts) - todo, desc="regenerate", unit="sample",
+               disable=not progress)
+    t0, new_tokens = time.perf_counter(), 0
+    try:
+        with open(out_path, "ab") as f:
+            for batch in batches:
+                if all(convs[j].id in done for j, _ in batch):
+                    continue
+                # A partly written batch is generated whole again: the same batch gives the same replies.
+                replies = generate_batch(model, [ids for _, ids in batch],
+                                         [sample_seed(seed, convs[j].id) for j, _ in batch],
+                                         params, max_new_tokens, eos, pad)
+                for (j, ids), (reply, reason) in sorted(zip(batch, replies), key=lambda x: x[0][0]):
+                    conv = convs[j]
+                    if conv.id in done:
+                        continue
+                    f.write((json.dumps(_record(conv, tokenizer, ids, reply, reason, generation),
+                                        ensure_ascii=False, default=str) + "\n").encode())
+                    f.flush()
+                    done.add(conv.id)
+                    new_tokens += len(reply)
+                    bar.update(1)
+                os.fsync(f.fileno())
+                bar.set_postfix_str(f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.1f} tok/s")
+    except OSError as e:
+        raise DraftsmithError(f"cannot write {out_path}: {write_failure(e)}; the {len(done)} finished replies are kept "
+                              "there, free space and re-run to continue") from e
+    finally:
+        bar.close()
+    return out_path
+
+
+def _record(conv: Conversation, tokenizer: Any, prompt_ids: list[int], reply: list[int], reason: str,
+            generation: dict[str, Any]) -> dict[str, Any]:
+    text = tokenizer.decode(reply, skip_special_tokens=True)
+    messages = [dict(m) for m in conv.prompt_messages()]
+    if text.strip():
+        messages.append({"role": "assistant", "content": text})
+    else:  # an empty turn is not a valid conversation; keep the record so a resume does not retry it
+        reason = "empty"
+    meta = {**conv.meta, "source": conv.source, "finish_reason": reason, "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(reply), "generation": generation}
+    return {"id": conv.id, "messages": messages, "meta": meta}
+
+
+def load_regenerated(path: Path) -> list[Conversation]:
+    """The conversations of a :func:`regenerate` file, in file order (a torn last line is ignored).
+
+    Unlike :func:`~draftsmith.data.sources.load_prompts` this neither splits,
+    dedupes nor reorders: the file already is the training set.
+
+    Raises:
+        DraftsmithError: missing file or a malformed line (named).
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DraftsmithError(f"cannot read regenerated data {path}: {e.strerror or e}") from e
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        log.warning("%s: ignoring a torn last line (interrupted run; re-run regenerate to finish it)", path)
+    out = []
+    for n, raw in enumerate(data[:end].splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DraftsmithError(f"{path} line {n}: malformed JSON") from e
+        out.append(record_to_conversation(rec, f"{path.name} line {n}", str(path), default_id=f"{path.name}:{n}"))
+    if not out:
+        raise DraftsmithError(f"regenerated data {path} is empty")
+    return out
+
