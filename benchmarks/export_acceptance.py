@@ -21,7 +21,7 @@ import torch
 from draftsmith import generate, load_draft
 from draftsmith.data.prompts import eval_set
 from draftsmith.export import save_draft
-from draftsmith.models.eagle3 import Eagle3Proposer
+from draftsmith.decoding.proposers import Eagle3Proposer
 from draftsmith.models.verifier import load_verifier
 from draftsmith.train.loop import TrainConfig, train
 

@@ -14,7 +14,7 @@ from draftsmith.cli import main
 from draftsmith.drafters import build_proposer
 from draftsmith.errors import DraftsmithError
 from draftsmith.export import load_draft, read_draft, read_provenance, save_draft
-from draftsmith.models.eagle3 import Eagle3Proposer
+from draftsmith.decoding.proposers import Eagle3Proposer
 
 FLAGS = {
     "default": {},

@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
+from draftsmith.decoding.proposers import Eagle3Proposer
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.eagle3 import Eagle3Config, Eagle3Draft, Eagle3Proposer, default_aux_layer_ids
+from draftsmith.models.eagle3 import Eagle3Config, Eagle3Draft, default_aux_layer_ids
 from draftsmith.utils import atomic_dir, atomic_write_bytes, atomic_write_json, command_line, environment_info
 
 log = logging.getLogger(__name__)
