@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from draftsmith import generate
 from draftsmith.decoding.runner import runner_kind, verifier_runner
 from draftsmith.errors import DraftsmithError
@@ -138,9 +138,8 @@ def test_auto_path_per_model():
     """Supported models take the lean path; others run transformers' forward on the static cache."""
     for arch in ARCHS:
         assert runner_kind(tiny_model(arch)) == ("lean", None)
-    from transformers import AutoModelForCausalLM
-
     from conftest import _config
+    from transformers import AutoModelForCausalLM
 
     cfg = _config("llama")
     cfg._attn_implementation = "eager"
@@ -156,9 +155,9 @@ def test_auto_path_per_model():
 def test_greedy_equivalence_fallback_paths(arch, path):
     """The transformers-forward paths decode like HF generate too, with a partially right drafter."""
     from conftest import perturbed_copy
-    from draftsmith.decoding import DraftModelProposer
-
     from test_engine import _hf_greedy, _prompt
+
+    from draftsmith.decoding import DraftModelProposer
 
     verifier = tiny_model(arch)
     prompt = _prompt(0)

@@ -14,8 +14,8 @@ from typing import Any, Sequence
 import torch
 
 from draftsmith.decoding.proposers import DraftContext, Proposer
-from draftsmith.decoding.sampling import SamplingParams, logits_to_probs, sample
 from draftsmith.decoding.runner import verifier_runner
+from draftsmith.decoding.sampling import SamplingParams, logits_to_probs, sample
 from draftsmith.decoding.verify import greedy_verify, rejection_verify
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.verifier import context_length
