@@ -205,6 +205,29 @@ def section_context(args, model, out: dict) -> None:
 
 
 # ----------------------------------------------------------------------------------------- 3. draft step
+def old_draft_step(draft, input_ids, hidden, position_ids, cache: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft step before issue 20, for reference: the cache grows by concatenation and
+    its KV heads are repeated for every step."""
+    import torch.nn.functional as F
+
+    layer = draft.layers[0]
+    rep = layer.self_attn.nh // layer.self_attn.nkv
+
+    def attend(q, k, v):
+        if cache[0] is not None:
+            k, v = torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2)
+        cache[0], cache[1] = k, v
+        m, S = q.shape[2], k.shape[2]
+        mask = torch.ones(m, S, dtype=torch.bool, device=q.device).tril(S - m) if m > 1 else None
+        out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                             attn_mask=mask, scale=draft.scale)
+        return out.transpose(1, 2).reshape(1, m, -1)
+
+    e = draft.embed_tokens(input_ids)
+    cos, sin = draft.rope(position_ids, e)
+    return draft.head(layer(e, hidden, cos, sin, attend))
+
+
 def section_draft(args, model, out: dict) -> None:
     from draftsmith.decoding.proposers import Eagle3Proposer
     from draftsmith.decoding.runner import verifier_runner
@@ -230,16 +253,26 @@ def section_draft(args, model, out: dict) -> None:
             prop._step(ctx[None], torch.randn(1, C, H, generator=g).to(device=device, dtype=w.dtype),
                        torch.arange(1, C + 1, device=device)[None])
             proposers[vd] = (prop, torch.randn(1, 1, H, generator=g).to(device=device, dtype=w.dtype))
-        times: dict[str, list[float]] = {"verifier": [], **{f"draft-{vd}": [] for vd in proposers}}
+        # the old step on the first vocabulary's draft, from the same cached context
+        old_vd = args.draft_vocab[0]
+        old_prop, old_h = proposers[old_vd]
+        old_cache: list = [None, None]
+        old_draft_step(old_prop.draft, ctx[None], torch.randn(1, C, old_h.shape[-1], generator=g).to(old_h),
+                       torch.arange(1, C + 1, device=device)[None], old_cache)
+        times: dict[str, list[float]] = {"verifier": [], **{f"draft-{vd}": [] for vd in proposers},
+                                         f"draft-{old_vd}-before-issue-20": []}
         pos = torch.tensor([[C + 1]], device=device)
         for rep in range(args.step_repeats + 2):
-            order = ["verifier", *[f"draft-{vd}" for vd in proposers]]
+            order = list(times)
             shift = rep % len(order)
             for name in order[shift:] + order[:shift]:
                 sync(device)
                 t0 = time.perf_counter()
                 if name == "verifier":
                     verifier.forward(tok, 1)
+                elif name.endswith("before-issue-20"):
+                    logits, _ = old_draft_step(old_prop.draft, tok[None], old_h, pos, old_cache)
+                    old_prop._choose(logits[0, -1], greedy, None)
                 else:
                     prop, h = proposers[int(name.split("-")[1])]
                     logits, _ = prop._step(tok[None], h, pos)  # one cached draft step ...
@@ -249,6 +282,8 @@ def section_draft(args, model, out: dict) -> None:
                     times[name].append(time.perf_counter() - t0)
                 if name == "verifier":
                     verifier.rollback(C)
+                elif name.endswith("before-issue-20"):
+                    old_cache[:] = [old_cache[0][:, :, :C], old_cache[1][:, :, :C]]
                 else:
                     prop.cache.rollback(C)
     med = {k: 1e3 * statistics.median(v) for k, v in times.items()}

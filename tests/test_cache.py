@@ -178,3 +178,26 @@ def test_models_do_not_import_decoding():
         names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
         names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
         assert not [m for m in names if m.startswith("draftsmith.decoding")], path.name
+
+
+@pytest.mark.slow
+def test_compiled_steps_equal_eager_and_are_reused():
+    """--compile: the same tokens as eager (plain and EAGLE-3 drafted), compiled once, reused on the next prompt."""
+    from test_eagle3 import _draft
+
+    from draftsmith.decoding import Eagle3Proposer
+
+    verifier = tiny_model("llama", layers=3)
+    prompts = [_ids(10, 3).tolist(), _ids(14, 4).tolist()]
+    d = _draft(verifier, vd=64)
+    d.config.aux_layer_ids = [0, 1, 3]
+    proposer = Eagle3Proposer(d)
+    for drafter in (None, proposer):
+        for i, prompt in enumerate(prompts):
+            eager = generate(verifier, prompt, proposer=drafter, max_new_tokens=24, num_draft_tokens=3,
+                             eos_token_id=[])
+            compiled = generate(verifier, prompt, proposer=drafter, max_new_tokens=24, num_draft_tokens=3,
+                                eos_token_id=[], compile=True)
+            assert compiled.token_ids == eager.token_ids
+            assert compiled.stats["engine"] == "lean+compiled"
+            assert (compiled.stats["compile_seconds"] > 0) == (i == 0)  # the second prompt reuses the graphs
