@@ -43,6 +43,8 @@ class GenerateConfig:
     dtype: str = opt("auto", "model dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
     device: str = opt("auto", "device: auto, cpu, cuda, cuda:N")
     json: bool = opt(False, "print one JSON object with text, token_ids and stats")
+    compile: bool = opt(False, "torch.compile the verifier and draft steps (CUDA graphs on CUDA); the compile "
+                               "time is reported apart from the decoding time")
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
@@ -62,7 +64,7 @@ def run_generate(cfg: GenerateConfig) -> int:
     ids = encode_prompt(tokenizer, cfg.prompt, chat=cfg.chat)
     out = generate(model, ids, proposer=proposer, max_new_tokens=cfg.max_new_tokens,
                    temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                   num_draft_tokens=cfg.num_draft_tokens, seed=cfg.seed)
+                   num_draft_tokens=cfg.num_draft_tokens, seed=cfg.seed, compile=cfg.compile)
     text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
     if cfg.json:
         print(json.dumps({"text": text, "token_ids": out.token_ids, "stats": out.stats}))
@@ -71,7 +73,9 @@ def run_generate(cfg: GenerateConfig) -> int:
         print(text)
         print(f"\n[{s['new_tokens']} tokens in {s['seconds']:.2f}s = {s['tokens_per_second']:.1f} tok/s; "
               f"verifier forwards {s['verifier_forwards']}; drafts {s['drafts']}, "
-              f"acceptance length {s['acceptance_length']:.2f}, acceptance rate {s['acceptance_rate']:.2f}]")
+              f"acceptance length {s['acceptance_length']:.2f}, acceptance rate {s['acceptance_rate']:.2f}; "
+              f"engine {s['engine']}" + (f", compiled in {s['compile_seconds']:.1f}s" if s["compile_seconds"] else "")
+              + "]")
     return 0
 
 

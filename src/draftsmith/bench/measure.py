@@ -225,27 +225,25 @@ def measure_verify_costs(model: torch.nn.Module, context: Sequence[int], ns: Seq
     The same call the engine makes (cache append, logits of n positions), rolled back
     after each timing; n values are interleaved so drift spreads over all of them.
     """
-    from transformers import DynamicCache
-
-    from draftsmith.decoding.engine import verifier_forward
+    from draftsmith.decoding.runner import verifier_runner
 
     device = next(model.parameters()).device
     ctx = torch.as_tensor(list(context), dtype=torch.long, device=device)
     probe = ctx[-max(ns):] if ctx.shape[0] >= max(ns) else ctx.repeat(max(ns) // ctx.shape[0] + 1)[:max(ns)]
     times: dict[int, list[float]] = {n: [] for n in ns}
     with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        verifier_forward(model, ctx, cache, 1, ())
-        cache.activate_past_recording()
+        runner = verifier_runner(model, ctx.shape[0] + max(ns))  # the engine's path and cache
+        runner.forward(ctx, 1)
         for rep in range(warmup + repeats):
             for n in ns:
                 _sync(device)
                 t0 = time.perf_counter()
-                verifier_forward(model, probe[:n], cache, n, ())
+                runner.forward(probe[:n], n)
                 _sync(device)
                 if rep >= warmup:
                     times[n].append(time.perf_counter() - t0)
-                cache.crop(-n)
+                runner.rollback(ctx.shape[0])
+        runner.close()
     return monotone_fit({n: statistics.median(v) for n, v in times.items()})
 
 

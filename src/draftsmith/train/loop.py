@@ -394,7 +394,7 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
     draft.lm_head.weight.requires_grad_(cfg.train_lm_head)
     draft.config.num_draft_tokens = cfg.num_draft_tokens
     draft.config.verifier_name = draft.config.verifier_name or cfg.verifier
-    from draftsmith.models.eagle3 import Eagle3Proposer
+    from draftsmith.decoding.proposers import Eagle3Proposer
 
     Eagle3Proposer(draft).check_compatible(verifier)
     rows_w, softcap = _target_head(verifier, draft)
