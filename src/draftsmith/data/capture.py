@@ -50,7 +50,7 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -193,6 +193,24 @@ def _generate_batch(model: torch.nn.Module, prompts: list[list[int]], seeds: lis
     return results
 
 
+Reply = tuple[list[int], str]  # (token ids without the end-of-sequence token, finish reason)
+
+
+class ReplySource(Protocol):
+    """Where :func:`regenerate`'s replies come from when not from the in-process verifier.
+
+    Attributes:
+        engine: recorded as ``meta.generation.engine`` (a resume with another source is refused).
+    """
+
+    engine: str
+
+    def replies(self, batches: list[tuple[list[list[int]], list[int]]], params: SamplingParams,
+                max_new_tokens: int, eos: list[int]) -> Iterator[list[Reply]]:
+        """The replies to each ``(prompts, sampling seeds)`` batch, one list per batch, in order."""
+        ...
+
+
 def complete_lines(path: Path) -> list[bytes]:
     """The complete lines of an append-only JSONL file (none if it does not exist).
 
@@ -245,7 +263,7 @@ def _read_regenerated(path: Path, generation: dict[str, Any], known_ids: set[str
 def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[Conversation], out_path: Path, *,
                max_new_tokens: int = 256, temperature: float = 0.0, top_p: float | None = None,
                batch_size: int = 8, max_prompt_tokens: int | None = None, seed: int = 0, progress: bool = True,
-               fingerprint: str | None = None) -> Path:
+               fingerprint: str | None = None, source: ReplySource | None = None) -> Path:
     """Answer every prompt with the verifier and append the conversations to a JSONL file.
 
     Each line is ``{"id", "messages", "meta"}``: the conversation's prompt messages
@@ -282,6 +300,8 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
         progress: show a progress bar with generated tokens/s.
         fingerprint: the verifier's fingerprint, recorded in ``meta.generation``
             (a resume with another verifier is refused).
+        source: another source of the replies, e.g. an OpenAI-compatible server
+            (:mod:`draftsmith.data.endpoint`); None: ``model.generate`` in this process.
 
     Returns:
         ``out_path``.
@@ -309,6 +329,8 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
         seen.add(c.id)
     generation = {"max_new_tokens": max_new_tokens, "temperature": float(temperature), "top_p": top_p,
                   "seed": seed, "verifier": fingerprint}
+    if source is not None:  # absent in process: files from before the option stay resumable
+        generation["engine"] = source.engine
     out_path = Path(out_path)
     done = _read_regenerated(out_path, generation, seen)
 
@@ -346,15 +368,17 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
     bar = tqdm(total=len(prompts), initial=len(prompts) - todo, desc="regenerate", unit="sample",
                disable=not progress)
     t0, new_tokens = time.perf_counter(), 0
+    # A partly written batch is generated whole again: the same batch gives the same replies.
+    batches = [b for b in batches if not all(convs[j].id in done for j, _ in b)]
+    work = [([ids for _, ids in b], [sample_seed(seed, convs[j].id) for j, _ in b]) for b in batches]
+    if source is None:
+        answers: Iterator[list[Reply]] = (_generate_batch(model, p, s, params, max_new_tokens, eos, pad)
+                                          for p, s in work)
+    else:
+        answers = source.replies(work, params, max_new_tokens, eos)
     try:
         with open(out_path, "ab") as f:
-            for batch in batches:
-                if all(convs[j].id in done for j, _ in batch):
-                    continue
-                # A partly written batch is generated whole again: the same batch gives the same replies.
-                replies = _generate_batch(model, [ids for _, ids in batch],
-                                          [sample_seed(seed, convs[j].id) for j, _ in batch],
-                                          params, max_new_tokens, eos, pad)
+            for batch, replies in zip(batches, answers, strict=True):
                 for (j, ids), (reply, reason) in sorted(zip(batch, replies), key=lambda x: x[0][0]):
                     conv = convs[j]
                     if conv.id in done:
@@ -372,6 +396,7 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
                               "there, free space and re-run to continue") from e
     finally:
         bar.close()
+        getattr(answers, "close", lambda: None)()  # a source stops its requests on an error or Ctrl-C
     return out_path
 
 
