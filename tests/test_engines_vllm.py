@@ -86,6 +86,68 @@ def test_engine_refuses_a_draft_dir_without_config(tmp_path):
         VllmEngine("smollm2-135m", draft_dir=tmp_path)
 
 
+def test_endpoint_option_is_checked_and_keyed_by_presence_not_url():
+    from draftsmith.pipeline import steps
+    from draftsmith.pipeline.config import DataSection
+
+    assert "endpoint" not in steps.regeneration_key(DataSection())  # caches from before the option stay valid
+    a, b = DataSection(endpoint="http://127.0.0.1:8000"), DataSection(endpoint="http://127.0.0.1:9000/v1")
+    assert steps.regeneration_key(a) == steps.regeneration_key(b) != steps.regeneration_key(DataSection())
+    assert steps.regeneration_key(a)["endpoint"] is True
+    assert steps.prompts_key(a, None) == steps.prompts_key(DataSection(), None)  # who answers: not the prompts
+    with pytest.raises(DraftsmithError, match="data.endpoint must be an http"):
+        DataSection(endpoint="127.0.0.1:8000")
+
+
+def test_text_only_server_replies_are_retokenized(tmp_path):
+    """A server that answers text only (llama-server's /v1/completions): the reply is the text re-tokenized."""
+    import http.server
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from draftsmith.decoding.sampling import SamplingParams
+    from draftsmith.models.verifier import resolve_spec
+
+    tok = AutoTokenizer.from_pretrained(resolve_spec("smollm2-135m"))
+    asked: list[dict] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _send(self, obj: dict) -> None:
+            body = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            self._send({"data": [{"id": "smollm2.gguf"}]})
+
+        def do_POST(self) -> None:
+            asked.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            reason = "length" if asked[-1]["max_tokens"] < 10 else "stop"
+            self._send({"choices": [{"index": 0, "text": "Hello there, friend!", "finish_reason": reason}]})
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = Endpoint(f"http://127.0.0.1:{server.server_address[1]}/v1/", tok)
+        assert endpoint.model == "smollm2.gguf"
+        ids, reason = endpoint.reply([1, 2, 3], 64, SamplingParams(), eos=[2])
+        assert tok.decode(ids) == "Hello there, friend!" and reason == "stop"
+        assert endpoint.reply([1, 2, 3], 5, SamplingParams(), eos=[2])[1] == "length"
+        sent = asked[0]
+        assert sent["prompt"] == [1, 2, 3] and sent["temperature"] == 0.0 and sent["stop_token_ids"] == [2]
+        assert sent["top_k"] == -1 and sent["repetition_penalty"] == 1.0 and "seed" not in sent
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 # ----------------------------------------------------------------------------- real servers
 @pytest.fixture(scope="module")
 def smol():
@@ -170,6 +232,9 @@ def test_plain_server_answers_greedily_and_reports_no_drafts(plain, plain_output
         assert eos not in r.token_ids[:-1]
         assert r.seconds > 0
     assert plain.counters() == SpecCounters()
+    info = plain.describe()
+    assert info["version"] == "0.32.0" and "--enforce-eager" in info["command"] and info["draft"] is None
+    assert info["env"]["VLLM_CPU_KVCACHE_SPACE"] == "2" and info["startup_seconds"] > 0
     assert plain.generate(smol.prompts[0], MAX_NEW).token_ids == plain_outputs[0].token_ids  # deterministic
 
 
@@ -184,8 +249,8 @@ def test_endpoint_regenerates_what_the_verifier_writes_in_process(plain, tmp_pat
     from draftsmith.models.verifier import load_verifier
 
     model, tok, fp = load_verifier("smollm2-135m", dtype="float32", device="cpu")
-    convs = _sharegpt(5)
-    kw = dict(max_new_tokens=32, batch_size=2, fingerprint=fp, progress=False)
+    convs = _sharegpt(4)
+    kw = dict(max_new_tokens=24, batch_size=2, fingerprint=fp, progress=False)
     served = regenerate_via_endpoint(plain.url, model, tok, convs, tmp_path / "served.jsonl", **kw)
     local = regenerate(model, tok, convs, tmp_path / "local.jsonl", **kw)
     a = [json.loads(line) for line in open(served)]
@@ -227,7 +292,9 @@ def test_cli_data_through_endpoint(plain, tmp_path, capsys):
     out = tmp_path / "data"
     argv = ["data", "--endpoint", plain.url, "--num-conversations", "3", "--max-new-tokens", "24",
             "--batch-size", "2", "--dtype", "float32", "--out", str(out)]
-    assert main(argv) == 0, capsys.readouterr().err
+    code, err = main(argv), capsys.readouterr().err
+    assert code == 0, err
+    assert f"[regenerate] endpoint {plain.url} serves the verifier" in err, err
     regenerated = next(out.glob("steps/regenerate-*/regenerated.jsonl"))
     records = [json.loads(line) for line in open(regenerated)]
     assert len(records) == 3 and all(r["meta"]["generation"]["engine"] == "endpoint" for r in records)

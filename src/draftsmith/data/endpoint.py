@@ -34,7 +34,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -266,13 +266,15 @@ class EndpointSource:
 def regenerate_via_endpoint(url: str, model: torch.nn.Module, tokenizer: Any, conversations: Iterable[Conversation],
                             out_path: Path, *, max_new_tokens: int = 256, temperature: float = 0.0,
                             top_p: float | None = None, batch_size: int = 8, max_prompt_tokens: int | None = None,
-                            seed: int = 0, progress: bool = True, fingerprint: str | None = None) -> Path:
+                            seed: int = 0, progress: bool = True, fingerprint: str | None = None,
+                            say: Callable[[str], None] = log.info) -> Path:
     """:func:`~draftsmith.data.capture.regenerate` with the replies written by the server at ``url``.
 
     Args:
         url: the OpenAI-compatible server, ``http://HOST:PORT``; it must serve the verifier.
         model: the in-process verifier (its probes check the server; its context limits prompts).
         batch_size: requests in flight (and records per written batch).
+        say: where the verifier check's result is told.
         others: as :func:`~draftsmith.data.capture.regenerate`.
 
     Raises:
@@ -281,8 +283,8 @@ def regenerate_via_endpoint(url: str, model: torch.nn.Module, tokenizer: Any, co
     """
     endpoint = Endpoint(url, tokenizer)
     probe = check_verifier(endpoint, model, tokenizer)
-    log.info("endpoint %s serves the verifier (%s): %d probe tokens, %d the in-process argmax, largest gap %.3f "
-             "logits", endpoint.base, endpoint.model, probe["tokens"], probe["argmax"], probe["max_margin"])
+    say(f"endpoint {endpoint.base} serves the verifier ({endpoint.model}): {probe['argmax']} of {probe['tokens']} "
+        f"probe tokens are the in-process argmax, the largest gap {probe['max_margin']:.3f} logits")
     return regenerate(model, tokenizer, conversations, out_path, max_new_tokens=max_new_tokens,
                       temperature=temperature, top_p=top_p, batch_size=batch_size,
                       max_prompt_tokens=max_prompt_tokens, seed=seed, progress=progress, fingerprint=fingerprint,

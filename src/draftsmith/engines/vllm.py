@@ -17,12 +17,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import time
 import urllib.error
 from pathlib import Path
 from typing import Any, Sequence
 
-from draftsmith.engines.base import EngineResult, ServerProcess, SpecCounters, free_port, http_json, http_text
+from draftsmith.engines.base import (EngineResult, ServerProcess, SpecCounters, free_port, http_json, http_text,
+                                     log_tail)
 from draftsmith.errors import DraftsmithError
 
 PYTHON_ENV = "DRAFTSMITH_VLLM_PYTHON"
@@ -118,7 +120,10 @@ class VllmEngine:
         self.server: ServerProcess | None = None
         self.port: int | None = None
         self.model_name: str | None = None
+        self.version: str | None = None
         self.startup_seconds: float | None = None
+        self.argv: list[str] = []
+        self.env: dict[str, str] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def command(self, python: Path, model_dir: Path, port: int) -> list[str]:
@@ -142,9 +147,12 @@ class VllmEngine:
 
     def environment(self, python: Path) -> dict[str, str]:
         """The server's environment on top of ours."""
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "TOKENIZERS_PARALLELISM": "false"}
+        # vLLM's default on a CPU is 4 GiB of KV cache; a 135M model needs far less.
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib)}
         iomp = python.parent.parent / "lib" / "libiomp5.so"
-        if iomp.is_file():  # vLLM's CPU wheel links Intel OpenMP: preloaded, no other runtime gets there first
+        # vLLM's CPU guide preloads the Intel OpenMP runtime its wheel brings (for speed); 0.32.0
+        # also starts without it, and an environment without the file simply goes without.
+        if iomp.is_file():
             env["LD_PRELOAD"] = ":".join(p for p in (str(iomp), os.environ.get("LD_PRELOAD", "")) if p)
         return env
 
@@ -160,15 +168,20 @@ class VllmEngine:
         url = f"http://127.0.0.1:{self.port}"
         log = self.work_dir / f"vllm-{self.port}.log"
         label = "vLLM" + (f" with draft {self.draft_dir}" if self.draft_dir else "")
-        server = ServerProcess(label, self.command(python, model_dir, self.port), log, f"{url}/health",
-                               env=self.environment(python), startup_timeout=self.startup_timeout)
+        self.argv, self.env = self.command(python, model_dir, self.port), self.environment(python)
+        server = ServerProcess(label, self.argv, log, f"{url}/health", env=self.env,
+                               startup_timeout=self.startup_timeout)
         t0 = time.perf_counter()
         server.start()
         self.server = server
         try:
-            models = http_json(f"{url}/v1/models", timeout=30)["data"]
-            self.model_name = str(models[0]["id"])
-        except BaseException:
+            self.model_name = str(http_json(f"{url}/v1/models", timeout=30)["data"][0]["id"])
+            self.version = str(http_json(f"{url}/version", timeout=30).get("version"))
+        except (OSError, ValueError, KeyError, IndexError) as e:
+            self.stop()
+            raise DraftsmithError(f"{label} answered /health but not /v1/models or /version ({e}); its log "
+                                  f"({log}) ends with:\n{log_tail(log)}") from e
+        except BaseException:  # Ctrl-C while asking: the server goes too
             self.stop()
             raise
         self.startup_seconds = time.perf_counter() - t0
@@ -194,6 +207,13 @@ class VllmEngine:
     @property
     def log_path(self) -> Path | None:
         return None if self.server is None else self.server.log_path
+
+    def describe(self) -> dict[str, Any]:
+        """What a report records about the server: its command line, environment, version, startup time."""
+        return {"engine": self.name, "version": self.version, "command": shlex.join(self.argv), "env": self.env,
+                "model": self.model_name, "draft": None if self.draft_dir is None else str(self.draft_dir),
+                "k": self.k if self.draft_dir is not None else None, "dtype": self.dtype,
+                "startup_seconds": None if self.startup_seconds is None else round(self.startup_seconds, 1)}
 
     # ------------------------------------------------------------------ requests
     def counters(self) -> SpecCounters:
@@ -233,8 +253,6 @@ class VllmEngine:
         return EngineResult([int(t) for t in ids], seconds, counters)
 
     def _request_error(self, e: Exception) -> DraftsmithError:
-        from draftsmith.engines.base import log_tail
-
         detail = ""
         if isinstance(e, urllib.error.HTTPError):
             try:
@@ -244,11 +262,3 @@ class VllmEngine:
         alive = self.server is not None and self.server.proc is not None and self.server.proc.poll() is None
         tail = "" if self.log_path is None else f"; its log ({self.log_path}) ends with:\n{log_tail(self.log_path)}"
         return DraftsmithError(f"vLLM request failed ({e}{detail}){'' if alive else ' and the server died'}{tail}")
-
-
-def engine_info(engine: VllmEngine) -> dict[str, Any]:
-    """What a report records about the server: command, environment, versions, startup time."""
-    python = vllm_python()
-    return {"engine": "vllm", "python": str(python), "draft": None if engine.draft_dir is None else str(engine.draft_dir),
-            "k": engine.k, "dtype": engine.dtype, "kv_cache_gib": engine.kv_cache_gib,
-            "startup_seconds": engine.startup_seconds, "model": engine.model_name}

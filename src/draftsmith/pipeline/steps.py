@@ -139,7 +139,7 @@ def regenerate(v: Verifier, prompts_path: Path, data: DataSection, work: Path) -
         from draftsmith.data.endpoint import regenerate_via_endpoint
 
         path = regenerate_via_endpoint(data.endpoint, v.model, v.tokenizer, convs, work / "regenerated.jsonl",
-                                       **kwargs)
+                                       say=lambda m: say(f"[regenerate] {m}"), **kwargs)
     else:
         path = _regenerate(v.model, v.tokenizer, convs, work / "regenerated.jsonl", **kwargs)
     lines = sum(1 for _ in open(path))
