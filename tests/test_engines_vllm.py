@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import types
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import torch
 from draft_factory import random_draft
 from draftsmith.data.capture import regenerate
 from draftsmith.data.chat import encode_chat
-from draftsmith.data.endpoint import Endpoint, check_verifier, regenerate_via_endpoint
+from draftsmith.data.endpoint import Endpoint, EndpointSource, check_verifier, regenerate_via_endpoint
 from draftsmith.engines.base import SpecCounters
 from draftsmith.engines.vllm import PYTHON_ENV, VllmEngine, parse_spec_metrics, vllm_python
 from draftsmith.errors import DraftsmithError
@@ -126,6 +127,11 @@ def test_text_only_server_replies_are_retokenized(tmp_path):
 
         def do_POST(self) -> None:
             asked.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            if asked[-1]["prompt"] == [9, 9]:
+                self.send_error(500, "model crashed")
+                return
+            if asked[-1]["prompt"] == [1]:
+                time.sleep(0.5)  # the failure of a later batch arrives while this batch is in flight
             reason = "length" if asked[-1]["max_tokens"] < 10 else "stop"
             self._send({"choices": [{"index": 0, "text": "Hello there, friend!", "finish_reason": reason}]})
 
@@ -143,6 +149,14 @@ def test_text_only_server_replies_are_retokenized(tmp_path):
         sent = asked[0]
         assert sent["prompt"] == [1, 2, 3] and sent["temperature"] == 0.0 and sent["stop_token_ids"] == [2]
         assert sent["top_k"] == -1 and sent["repetition_penalty"] == 1.0 and "seed" not in sent
+
+        # A failed request: the batches before it are still handed over (also when it fails while they
+        # are in flight), then the error says how to go on.
+        source = EndpointSource(endpoint, concurrency=2)
+        replies = source.replies([([[1], [2]], [0, 0]), ([[9, 9], [3]], [0, 0])], SamplingParams(), 64, [2])
+        assert [tok.decode(ids) for ids, _ in next(replies)] == ["Hello there, friend!"] * 2
+        with pytest.raises(DraftsmithError, match="(?s)HTTP 500.*model crashed.*re-run the same command to continue"):
+            next(replies)
     finally:
         server.shutdown()
         server.server_close()

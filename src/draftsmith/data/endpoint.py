@@ -227,7 +227,7 @@ class EndpointSource:
             todo.put(t)
         cond = threading.Condition()
         stop = threading.Event()
-        failure: list[BaseException] = []
+        failed: dict[int, Exception] = {}  # batch -> the first error of a request in it
 
         def work() -> None:
             while not stop.is_set():
@@ -235,11 +235,14 @@ class EndpointSource:
                     b, i, prompt, seed = todo.get_nowait()
                 except queue.Empty:
                     return
+                with cond:
+                    if failed and b >= min(failed):  # it could not be written anyway
+                        return
                 try:
                     r: Any = self.endpoint.reply(prompt, max_new_tokens, params, eos, seed)
                 except Exception as e:  # handed to the consumer, which raises it
                     with cond:
-                        failure.append(e)
+                        failed.setdefault(b, e)
                         cond.notify_all()
                     return
                 with cond:
@@ -253,11 +256,16 @@ class EndpointSource:
             t.start()
         try:
             for b in range(len(batches)):
+                # Batches before a failed one still complete and are written; the failed one raises.
                 with cond:
-                    while remaining[b] and not failure:
+                    while remaining[b] and not (failed and min(failed) <= b):
                         cond.wait(timeout=1.0)
-                    if failure:
-                        raise failure[0]
+                if remaining[b]:
+                    e = failed[min(failed)]
+                    if isinstance(e, DraftsmithError):
+                        raise DraftsmithError(f"{e}; the replies finished before it are kept, re-run the same "
+                                              "command to continue") from e
+                    raise e
                 yield results[b]
         finally:
             stop.set()
