@@ -11,7 +11,7 @@ load average, which says how shared the CPU was.
 Usage (the recorded run)::
 
     PYTHONPATH=src python benchmarks/regenerate_endpoint.py --num-conversations 16 --max-new-tokens 64 \\
-        --batch-size 16 --out benchmarks/results/regenerate-endpoint-smollm2-135m.json
+        --batch-size 16 --threads 1 --out benchmarks/results/regenerate-endpoint-smollm2-135m.json
 """
 
 from __future__ import annotations
@@ -38,11 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=16, help="in-process batch = requests in flight")
     ap.add_argument("--dtype", default="float32", help="in-process verifier dtype")
     ap.add_argument("--server-dtype", default="float32", help="vLLM's --dtype")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="in-process torch threads (vLLM's CPU worker runs one OpenMP thread on a 2-core machine: "
+                         "it keeps the other core for its frontend; on a shared CPU more threads oversubscribe)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
 
     import torch
 
+    torch.set_num_threads(args.threads)
     from draftsmith.data.capture import regenerate
     from draftsmith.data.endpoint import regenerate_via_endpoint
     from draftsmith.data.prompts import load_prompts

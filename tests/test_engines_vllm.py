@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 import types
 from pathlib import Path
@@ -98,6 +99,45 @@ def test_endpoint_option_is_checked_and_keyed_by_presence_not_url():
     assert steps.prompts_key(a, None) == steps.prompts_key(DataSection(), None)  # who answers: not the prompts
     with pytest.raises(DraftsmithError, match="data.endpoint must be an http"):
         DataSection(endpoint="127.0.0.1:8000")
+
+
+_ORPHAN = """
+import sys, time
+from pathlib import Path
+from draftsmith.engines.base import ServerProcess, free_port
+port = free_port()
+server = ServerProcess("http", [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                       Path(sys.argv[1]), f"http://127.0.0.1:{port}/").start()
+print(server.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_run_leaves_no_server(tmp_path):
+    """SIGKILL runs none of our stop paths: the kernel's parent-death signal stops the server."""
+    import signal
+    import subprocess
+    import sys
+
+    if not shutil.which("setpriv"):
+        pytest.skip("needs setpriv (util-linux): without it only the Python exit paths stop a server")
+    script = tmp_path / "run.py"
+    script.write_text(_ORPHAN)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    run = subprocess.Popen([sys.executable, str(script), str(tmp_path / "server.log")], stdout=subprocess.PIPE,
+                           text=True, env=env)
+    try:
+        server = int(run.stdout.readline())
+        assert b"http.server" in Path(f"/proc/{server}/cmdline").read_bytes()
+        run.send_signal(signal.SIGKILL)
+        run.wait()
+        deadline = time.monotonic() + 10
+        while server in _group_members(server) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server not in _group_members(server), "the server outlived the killed run"
+    finally:
+        run.kill()
+        run.wait()
 
 
 def test_text_only_server_replies_are_retokenized(tmp_path):
