@@ -121,7 +121,9 @@ def die_with_parent(argv: Sequence[str]) -> list[str]:
 
     Our own exit paths stop the server; this covers the ones that run no Python code: a
     SIGKILL, or a SIGTERM in a program that does not turn it into an exception. Without
-    ``setpriv`` (util-linux, Linux only) the command runs as it is.
+    ``setpriv`` (util-linux, Linux only) the command runs as it is. The kernel sends the
+    signal when the *thread* that started the server ends: start servers from a thread
+    that outlives them (the main thread, as bench and the tests do).
     """
     setpriv = shutil.which("setpriv")
     return [setpriv, "--pdeathsig", "TERM", *argv] if setpriv else list(argv)
