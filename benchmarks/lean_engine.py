@@ -75,9 +75,9 @@ def prompts(args: argparse.Namespace, model, tok) -> list[list[int]]:
         g = torch.Generator().manual_seed(0)
         return [torch.randint(2, model.config.vocab_size, (int(n),), generator=g).tolist()
                 for n in torch.randint(32, 160, (args.num_prompts,), generator=g)]
-    from draftsmith.data.prompts import eval_prompts
+    from draftsmith.data.sources import eval_set
 
-    return eval_prompts("mt-bench", tok, limit=args.num_prompts)
+    return [ids for _, ids in eval_set("mt-bench", tok, limit=args.num_prompts)]
 
 
 def sync(device: torch.device) -> None:

@@ -62,8 +62,15 @@ class DataSection:
     dtype: str = opt("auto", "verifier dtype while regenerating and capturing: auto = bfloat16 on CUDA and on "
                              "CPUs with AMX, else float32")
     seed: int = opt(0, "split and sampling seed")
+    endpoint: str | None = opt(None, "regenerate through this OpenAI-compatible server (vLLM, llama-server, SGLang; "
+                                     "http://HOST:PORT) instead of in process, --batch-size requests in flight; it "
+                                     "must serve the verifier (two greedy probes are scored by the verifier before "
+                                     "any reply is kept); hidden states are still captured in process. The URL is "
+                                     "not part of the cache key: a restarted server resumes the same run")
 
     def __post_init__(self) -> None:
+        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
+            raise DraftsmithError(f"data.endpoint must be an http:// or https:// URL, got {self.endpoint!r}")
         for name in ("num_conversations", "max_new_tokens", "batch_size", "max_prompt_tokens", "max_length",
                      "capture_batch_size", "samples_per_shard"):
             if getattr(self, name) < 1:

@@ -66,6 +66,9 @@ def regeneration_key(data: DataSection) -> dict[str, Any]:
     so changing them re-runs the capture, not the regeneration)."""
     d = to_dict(data)
     d.pop("trim_loops", None)
+    # Where the replies come from, not the URL: a restarted server (another port) resumes the same run.
+    if d.pop("endpoint", None) is not None:
+        d["endpoint"] = True
     return d
 
 
@@ -80,6 +83,7 @@ def prompts_key(data: DataSection, v: "Verifier") -> dict[str, Any]:
     from draftsmith.data.selfprompts import SELF_DATASET
 
     key: dict[str, Any] = {"data": regeneration_key(data)}
+    key["data"].pop("endpoint", None)  # the prompts do not depend on who answers them
     if data.dataset == SELF_DATASET:
         key.update(fp=v.fingerprint, dtype=v.dtype)
     return key
@@ -125,9 +129,15 @@ def regenerate(v: Verifier, prompts_path: Path, data: DataSection, work: Path) -
     from draftsmith.data.sources import load_prompts
 
     convs = load_prompts(prompts_path, split="all", exclude_eval=False, dedupe=False)
-    path = _regenerate(v.model, v.tokenizer, convs, work / "regenerated.jsonl", max_new_tokens=data.max_new_tokens,
-                       temperature=data.temperature, batch_size=data.batch_size,
-                       max_prompt_tokens=data.max_prompt_tokens, seed=data.seed, fingerprint=v.fingerprint)
+    kwargs = dict(max_new_tokens=data.max_new_tokens, temperature=data.temperature, batch_size=data.batch_size,
+                  max_prompt_tokens=data.max_prompt_tokens, seed=data.seed, fingerprint=v.fingerprint)
+    if data.endpoint:
+        from draftsmith.data.endpoint import regenerate_via_endpoint
+
+        path = regenerate_via_endpoint(data.endpoint, v.model, v.tokenizer, convs, work / "regenerated.jsonl",
+                                       say=lambda m: say(f"[regenerate] {m}"), **kwargs)
+    else:
+        path = _regenerate(v.model, v.tokenizer, convs, work / "regenerated.jsonl", **kwargs)
     lines = sum(1 for _ in open(path))
     return {"path": str(path), "count": lines, "sha": file_digest(path)}
 
