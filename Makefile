@@ -40,6 +40,9 @@ LLAMACPP_DIR   ?= .engines/llama.cpp
 LLAMACPP_PIN   := llama-cpp-python==0.3.36
 LLAMACPP_STAMP := $(LLAMACPP_DIR)/.built
 LLAMACPP_JOBS  ?= 2
+# -march=native, but no AMX: on this machine's Sapphire Rapids VM ggml's AMX matmul
+# crashes (SIGSEGV in ldtilecfg, llama-server dies on its first Q4_1 matmul).
+LLAMACPP_ARCH_FLAGS := $(if $(filter x86_64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16,)
 # What the converter imports beyond our own pins (it imports sentencepiece even for
 # tokenizer.json models); kept next to the build, put on its PYTHONPATH only.
 LLAMACPP_PYDEPS := sentencepiece==0.2.3
@@ -55,7 +58,8 @@ $(LLAMACPP_STAMP): | $(STAMP)
 	cmake -S $(LLAMACPP_DIR)/src -B $(LLAMACPP_DIR)/build -DCMAKE_BUILD_TYPE=Release \
 	    -DBUILD_SHARED_LIBS=OFF -DGGML_CPU=ON -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF \
 	    -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-	    -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
+	    -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
+	    -DCMAKE_C_FLAGS="$(LLAMACPP_ARCH_FLAGS)" -DCMAKE_CXX_FLAGS="$(LLAMACPP_ARCH_FLAGS)"
 	cmake --build $(LLAMACPP_DIR)/build --target llama-server -j $(LLAMACPP_JOBS)
 	$(LLAMACPP_DIR)/build/bin/llama-server --version
 	touch $@

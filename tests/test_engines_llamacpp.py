@@ -19,7 +19,8 @@ import torch
 from conftest import smollm2_tokenizer
 from draft_factory import random_draft, tiny_verifier
 from draftsmith.cli import main
-from draftsmith.engines.llamacpp import LlamaCppEngine, check_gguf_pair, find_build, parse_metrics, verifier_gguf
+from draftsmith.engines.llamacpp import (LlamaCppEngine, check_gguf_pair, find_build, parse_metrics, read_gguf,
+                                        verifier_gguf)
 from draftsmith.errors import DraftsmithError
 from draftsmith.export import export_gguf, save_draft
 
@@ -95,18 +96,15 @@ def runs(exported):
 
 # ---------------------------------------------------------------------------- export
 def test_gguf_export_says_what_the_draft_is(exported):
-    from gguf import GGUFReader
-
-    r = GGUFReader(str(exported["gguf"]))
-    field = {k: f.contents() for k, f in r.fields.items() if k.startswith(("general.architecture", "eagle3."))}
-    cfg = exported["draft"].config
-    assert field["general.architecture"] == "eagle3"
-    assert field["eagle3.target_layers"] == [2, 15, 27] == cfg.aux_layer_ids
-    assert field["eagle3.target_hidden_size"] == 576 and field["eagle3.norm_before_residual"] is True
-    d2t = next(t for t in r.tensors if t.name == "d2t")
-    assert d2t.data.reshape(-1).tolist() == exported["draft"].draft_to_target.tolist()  # absolute verifier ids
-    fc = next(t for t in r.tensors if t.name == "fc.weight")
-    assert torch.equal(torch.from_numpy(fc.data.copy()), exported["draft"].fc.weight.detach())  # float32, unchanged
+    g = read_gguf(exported["gguf"])
+    draft = exported["draft"]
+    assert g.meta["general.architecture"] == "eagle3"
+    assert g.meta["eagle3.target_layers"] == [2, 15, 27] == draft.config.aux_layer_ids
+    assert g.meta["eagle3.target_hidden_size"] == 576 and g.meta["eagle3.norm_before_residual"] is True
+    assert g.array("d2t").tolist() == draft.draft_to_target.tolist()  # llama.cpp stores absolute verifier ids
+    # float32 weights pass through unchanged (q/k are permuted for llama.cpp's rope layout, the rest are not)
+    assert torch.equal(torch.from_numpy(g.array("fc.weight")), draft.fc.weight.detach())
+    assert torch.equal(torch.from_numpy(g.array("output.weight")), draft.lm_head.weight.detach())
 
 
 def test_mismatched_drafts_are_refused_by_the_exporter(smol, tmp_path):
@@ -167,7 +165,7 @@ def _first_divergence(a: list[int], b: list[int]) -> str:
 
 def test_draft_loads_in_llama_server(runs):
     log = Path(runs["spec_log"]).read_text(errors="replace")
-    assert "EAGLE3 extract_layers = [2, 15, 27]" in log
+    assert "loading draft model" in log and "draft acceptance" in log
     assert "--spec-type" in runs["spec_argv"] and "draft-eagle3" in runs["spec_argv"]
     assert all(r.counters is None for r in runs["plain"])
 
@@ -193,6 +191,22 @@ def test_acceptance_counters_are_reported_and_consistent(runs):
 
 def test_servers_are_gone_after_use(runs):
     assert not _alive(runs["plain_pid"]) and not _alive(runs["spec_pid"])
+
+
+def test_an_hf_directory_verifier_is_converted_once_and_served(exported, runs):
+    """The float32 path: an HF directory (here SmolLM2 dequantized) becomes an F32 GGUF, cached."""
+    from draftsmith.models.verifier import resolve_spec
+
+    vdir = str(resolve_spec("smollm2-135m"))
+    path = verifier_gguf(vdir)
+    assert verifier_gguf(vdir) == path and read_gguf(path).meta["general.file_type"] == 0  # cached; all F32
+    prompt, out = runs["prompts"][0], {}
+    for name, draft in (("plain", None), ("spec", exported["gguf"])):
+        with LlamaCppEngine(vdir, draft=draft, k=K, ctx_size=256, work_dir=exported["tmp"] / "logs") as eng:
+            out[name] = eng.generate(prompt, 16, ignore_eos=True)
+    assert out["spec"].token_ids == out["plain"].token_ids, _first_divergence(out["plain"].token_ids,
+                                                                             out["spec"].token_ids)
+    assert out["spec"].counters.draft_tokens > 0
 
 
 def test_metrics_parser_reads_llama_server_names():
@@ -224,10 +238,20 @@ def test_a_taken_port_reports_the_log_and_leaves_no_process(tmp_path):
         s.listen()
         port = s.getsockname()[1]
         eng = LlamaCppEngine("smollm2-135m", port=port, work_dir=tmp_path, startup_timeout=60)
-        with pytest.raises(DraftsmithError, match="llama-server") as e:
+        with pytest.raises(DraftsmithError, match="llama-server exited with code") as e:
             eng.start()
-    assert "ends with:" in str(e.value)
+    assert "ends with:" in str(e.value) and f"port: {port}" in str(e.value)  # llama-server's "couldn't bind"
     assert eng.pid is not None and not _alive(eng.pid)
+
+
+def test_ctrl_c_while_serving_stops_the_server(tmp_path):
+    _build()
+    eng = LlamaCppEngine("smollm2-135m", work_dir=tmp_path, ctx_size=256)
+    with pytest.raises(KeyboardInterrupt):
+        with eng:
+            assert _alive(eng.pid)
+            raise KeyboardInterrupt
+    assert not _alive(eng.pid)
 
 
 def test_a_missing_build_says_how_to_make_it(tmp_path):

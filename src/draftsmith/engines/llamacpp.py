@@ -200,22 +200,103 @@ def check_draft_supported(cfg: Any, has_embedding: bool = True, what: str = "dra
             "(draftsmith's defaults) for llama.cpp")
 
 
-def _gguf_fields(path: Path) -> tuple[dict[str, Any], dict[str, tuple[str, list[int]]], Any]:
-    """(metadata, {tensor: (type, shape)}, reader) of a GGUF file, read with the ``gguf`` package."""
-    from gguf import GGUFReader
+# GGUF value types (gguf-py's GGUFValueType) -> struct format; 8 is a string, 9 an array
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGML_NUMPY = {0: "<f4", 1: "<f2", 26: "<i4", 27: "<i8", 28: "<f8"}  # the plain ggml tensor types (F32, F16, I32, I64, F64)
+
+
+@dataclass
+class GGUFInfo:
+    """The header of a GGUF file: metadata and where each tensor lies.
+
+    Attributes:
+        path: the file.
+        meta: key -> value; arrays longer than 1024 entries (the vocabulary) are left out.
+        tensors: name -> (ggml type id, shape as ``ne`` (fastest dimension first), byte offset in the file).
+    """
+
+    path: Path
+    meta: dict[str, Any]
+    tensors: dict[str, tuple[int, list[int], int]]
+
+    def array(self, name: str) -> Any:
+        """A plain-typed tensor (F32, F16, I32, I64, F64) as a numpy array of its ``ne`` reversed shape."""
+        import numpy as np
+
+        kind, shape, offset = self.tensors[name]
+        if kind not in _GGML_NUMPY:
+            raise DraftsmithError(f"{self.path}: tensor {name} has ggml type {kind}, not a plain one")
+        n = int(np.prod(shape))
+        return np.fromfile(self.path, dtype=_GGML_NUMPY[kind], count=n, offset=offset).reshape(shape[::-1])
+
+
+def read_gguf(path: str | Path) -> GGUFInfo:
+    """Read a GGUF header (the ``gguf`` package's reader decodes every vocabulary string: a minute here)."""
+    import mmap
+    import struct
+
+    path = Path(path)
+
+    def fail(why: str) -> DraftsmithError:
+        return DraftsmithError(f"{path} is not a readable GGUF file: {why}")
 
     try:
-        r = GGUFReader(str(path))
-    except (OSError, ValueError) as e:
-        raise DraftsmithError(f"{path} is not a readable GGUF file: {e}") from None
-    meta = {}
-    for k, f in r.fields.items():
-        if k.startswith("tokenizer.ggml.") and k not in ("tokenizer.ggml.model", "tokenizer.ggml.pre"):
-            continue  # the vocabulary arrays: large and not needed here
-        with contextlib.suppress(Exception):  # a field type this gguf version cannot decode: not needed either
-            meta[k] = f.contents()
-    tensors = {t.name: (t.tensor_type.name, [int(n) for n in t.shape]) for t in r.tensors}
-    return meta, tensors, r
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            pos = 0
+
+            def take(fmt: str) -> Any:
+                nonlocal pos
+                v = struct.unpack_from(fmt, m, pos)[0]
+                pos += struct.calcsize(fmt)
+                return v
+
+            def string() -> str:
+                nonlocal pos
+                n = take("<Q")
+                v = bytes(m[pos:pos + n]).decode("utf-8", errors="replace")
+                pos += n
+                return v
+
+            def value(kind: int, keep: bool = True) -> Any:
+                nonlocal pos
+                if kind in _GGUF_SCALARS:
+                    return take(_GGUF_SCALARS[kind])
+                if kind == 8:
+                    return string()
+                if kind == 9:
+                    sub, n = take("<I"), take("<Q")
+                    keep = keep and n <= 1024
+                    if sub in _GGUF_SCALARS and not keep:
+                        pos += n * struct.calcsize(_GGUF_SCALARS[sub])
+                        return None
+                    if sub == 8 and not keep:  # the vocabulary: skip the strings undecoded
+                        for _ in range(n):
+                            pos += 8 + struct.unpack_from("<Q", m, pos)[0]
+                        return None
+                    items = [value(sub, keep) for _ in range(n)]
+                    return items if keep else None
+                raise fail(f"unknown value type {kind} at byte {pos}")
+
+            if m[:4] != b"GGUF":
+                raise fail("no GGUF magic")
+            pos = 4
+            version, n_tensors, n_kv = take("<I"), take("<Q"), take("<Q")
+            if version < 2:
+                raise fail(f"GGUF version {version} is too old")
+            meta = {}
+            for _ in range(n_kv):
+                key = string()
+                meta[key] = value(take("<I"))
+            infos = []
+            for _ in range(n_tensors):
+                name = string()
+                shape = [take("<Q") for _ in range(take("<I"))]
+                infos.append((name, take("<I"), shape, take("<Q")))
+            align = int(meta.get("general.alignment") or 32)
+            data = pos + (-pos) % align
+    except (OSError, ValueError, struct.error) as e:  # short file, unreadable: not a GGUF we can serve
+        raise fail(str(e)) from None
+    return GGUFInfo(path, meta, {name: (kind, shape, data + off) for name, kind, shape, off in infos})
 
 
 def check_draft_gguf(path: str | Path, cfg: Any, draft_to_target: Sequence[int] | None = None) -> None:
@@ -233,7 +314,8 @@ def check_draft_gguf(path: str | Path, cfg: Any, draft_to_target: Sequence[int] 
     import numpy as np
 
     path = Path(path)
-    meta, tensors, reader = _gguf_fields(path)
+    g = read_gguf(path)
+    meta, tensors = g.meta, {n: (t, shape) for n, (t, shape, _) in g.tensors.items()}
     expect = {
         "general.architecture": "eagle3",
         "eagle3.target_layers": list(cfg.aux_layer_ids),
@@ -254,16 +336,16 @@ def check_draft_gguf(path: str | Path, cfg: Any, draft_to_target: Sequence[int] 
         if name not in tensors or tensors[name][1] != shape:
             raise DraftsmithError(f"{path}: tensor {name} is {tensors.get(name)}, expected shape {shape}")
     if draft_to_target is not None:
-        d2t = next((t for t in reader.tensors if t.name == "d2t"), None)
-        if d2t is None or not np.array_equal(np.asarray(d2t.data).reshape(-1), np.asarray(draft_to_target)):
+        if "d2t" not in g.tensors or not np.array_equal(g.array("d2t").reshape(-1), np.asarray(draft_to_target)):
             raise DraftsmithError(f"{path}: d2t does not map the draft vocabulary onto the verifier ids the "
                                   "draft uses")
 
 
 def check_gguf_pair(draft_gguf: str | Path, verifier_gguf: str | Path) -> None:
     """Refuse a draft GGUF that does not fit the verifier GGUF (llama.cpp would abort or serve garbage)."""
-    dmeta, _, _ = _gguf_fields(Path(draft_gguf))
-    vmeta, vtensors, _ = _gguf_fields(Path(verifier_gguf))
+    dmeta = read_gguf(draft_gguf).meta
+    v = read_gguf(verifier_gguf)
+    vmeta, vtensors = v.meta, {n: (t, shape) for n, (t, shape, _) in v.tensors.items()}
     if dmeta.get("general.architecture") != "eagle3":
         raise DraftsmithError(f"{draft_gguf} is not an EAGLE-3 draft (general.architecture "
                               f"{dmeta.get('general.architecture')!r}); export one with "
@@ -382,13 +464,15 @@ class LlamaCppEngine:
         port: a fixed port (default: a free one, chosen at start).
         startup_timeout: seconds to wait for ``/health``.
         build_dir: the llama.cpp build (default: :func:`find_build`).
+        extra_args: more llama-server flags, appended last (e.g. ``["-fa", "off"]``).
     """
 
     name = "llama.cpp"
 
     def __init__(self, verifier: str, draft: str | os.PathLike | None = None, k: int = 3, threads: int = 2,
                  ctx_size: int = 4096, work_dir: str | Path | None = None, port: int | None = None,
-                 startup_timeout: float = 300.0, build_dir: str | Path | None = None) -> None:
+                 startup_timeout: float = 300.0, build_dir: str | Path | None = None,
+                 extra_args: Sequence[str] = ()) -> None:
         if k < 1:
             raise DraftsmithError(f"llama.cpp: k (draft tokens per round) must be >= 1, got {k}")
         if threads < 1:
@@ -396,6 +480,7 @@ class LlamaCppEngine:
         self.verifier, self.draft, self.k, self.threads, self.ctx_size = str(verifier), draft, k, threads, ctx_size
         self.work_dir = Path(work_dir) if work_dir is not None else cache_dir() / "llamacpp" / "logs"
         self.port, self.startup_timeout, self.build_dir = port, startup_timeout, build_dir
+        self.extra_args = [str(a) for a in extra_args]
         self.server: ServerProcess | None = None
         self.argv: list[str] = []
 
@@ -420,8 +505,8 @@ class LlamaCppEngine:
             argv += ["-md", str(draft), "--spec-type", "draft-eagle3",
                      "--spec-draft-n-max", str(self.k), "--spec-draft-n-min", str(self.k),
                      "--spec-draft-p-min", "0",   # draft k tokens even when the draft is unsure (as vLLM does)
-                     "-td", t, "-tbd", t, "-cd", str(self.ctx_size)]
-        return argv
+                     "-td", t, "-tbd", t]
+        return argv + self.extra_args
 
     def start(self) -> "LlamaCppEngine":
         """Resolve the models (converting once if needed), start the server, wait until it answers."""
