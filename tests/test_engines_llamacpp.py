@@ -27,7 +27,7 @@ from draftsmith.export import export_gguf, save_draft
 pytestmark = pytest.mark.engines
 
 K = 3
-NEW_TOKENS = 40
+NEW_TOKENS = 32
 PROMPTS = ["What is the capital of France? Answer in one sentence.",
            "Write a Python function that returns the factorial of n.",
            "List three colours of the rainbow."]
@@ -87,7 +87,7 @@ def runs(exported):
                                        return_dict=False) for p in PROMPTS]
     out = {"prompts": prompts}
     for name, draft in (("plain", None), ("spec", exported["gguf"])):
-        with LlamaCppEngine("smollm2-135m", draft=draft, k=K, threads=2, ctx_size=512,
+        with LlamaCppEngine("smollm2-135m", draft=draft, k=K, threads=1, ctx_size=512,
                             work_dir=exported["tmp"] / "logs") as eng:
             out[name] = [eng.generate(p, NEW_TOKENS, ignore_eos=True) for p in prompts]
             out[f"{name}_pid"], out[f"{name}_log"], out[f"{name}_argv"] = eng.pid, eng.server.log_path, eng.argv
@@ -202,7 +202,7 @@ def test_an_hf_directory_verifier_is_converted_once_and_served(exported, runs):
     assert verifier_gguf(vdir) == path and read_gguf(path).meta["general.file_type"] == 0  # cached; all F32
     prompt, out = runs["prompts"][0], {}
     for name, draft in (("plain", None), ("spec", exported["gguf"])):
-        with LlamaCppEngine(vdir, draft=draft, k=K, ctx_size=256, work_dir=exported["tmp"] / "logs") as eng:
+        with LlamaCppEngine(vdir, draft=draft, k=K, threads=1, ctx_size=256, work_dir=exported["tmp"] / "logs") as eng:
             out[name] = eng.generate(prompt, 16, ignore_eos=True)
     assert out["spec"].token_ids == out["plain"].token_ids, _first_divergence(out["plain"].token_ids,
                                                                              out["spec"].token_ids)
