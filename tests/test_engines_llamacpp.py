@@ -189,6 +189,22 @@ def test_acceptance_counters_are_reported_and_consistent(runs):
         assert 1.0 <= c.acceptance_length <= 1.0 + K
 
 
+def test_counters_add_up_when_drafts_are_accepted(exported, runs):
+    """A random draft is never accepted, so the per-position counts above are all zero. llama-server's own
+    benchmarking mode accepts drafted tokens with given per-position rates (the output is then not the
+    verifier's): the counters this engine reads must still agree with the server's timings and each other."""
+    with LlamaCppEngine("smollm2-135m", draft=exported["gguf"], k=K, threads=1, ctx_size=512,
+                        work_dir=exported["tmp"] / "logs", extra_args=["--spec-synth-rates", "0.9,0.7,0.5"]) as eng:
+        r = eng.generate(runs["prompts"][1], NEW_TOKENS, ignore_eos=True)
+    c = r.counters
+    assert len(r.token_ids) == NEW_TOKENS
+    assert 0 < c.accepted_tokens <= c.draft_tokens <= K * c.drafts
+    assert c.drafts + c.accepted_tokens <= NEW_TOKENS - 1
+    assert sum(c.accepted_per_position) == c.accepted_tokens and c.accepted_per_position[0] <= c.drafts
+    assert all(a >= b for a, b in zip(c.accepted_per_position, c.accepted_per_position[1:]))
+    assert c.accepted_per_position[-1] > 0 and c.acceptance_length > 1.0
+
+
 def test_servers_are_gone_after_use(runs):
     assert not _alive(runs["plain_pid"]) and not _alive(runs["spec_pid"])
 

@@ -560,7 +560,8 @@ class LlamaCppEngine:
         payload = {"prompt": [int(t) for t in prompt_ids], "n_predict": max_new_tokens,
                    # temperature 0 alone in the chain: argmax, with no penalties or filters in the way
                    "temperature": 0.0, "samplers": ["temperature"],
-                   "cache_prompt": False, "return_tokens": True, "stream": False, "ignore_eos": ignore_eos}
+                   "cache_prompt": False, "return_tokens": True, "stream": False, "ignore_eos": ignore_eos,
+                   "seed": 0}  # no effect on argmax; makes --spec-synth-rates (benchmarking) runs repeatable
         t0 = time.perf_counter()
         try:
             resp = http_json(f"{self.base_url}/completion", payload)
