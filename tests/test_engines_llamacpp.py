@@ -262,7 +262,7 @@ def test_a_taken_port_reports_the_log_and_leaves_no_process(tmp_path):
 
 def test_ctrl_c_while_serving_stops_the_server(tmp_path):
     _build()
-    eng = LlamaCppEngine("smollm2-135m", work_dir=tmp_path, ctx_size=256)
+    eng = LlamaCppEngine("smollm2-135m", work_dir=tmp_path, ctx_size=256, threads=1)
     with pytest.raises(KeyboardInterrupt):
         with eng:
             assert _alive(eng.pid)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import re
@@ -191,7 +190,7 @@ def unsupported_draft_features(cfg: Any, has_embedding: bool = True) -> list[str
 
 
 def check_draft_supported(cfg: Any, has_embedding: bool = True, what: str = "draft") -> None:
-    """Raise unless llama.cpp's ``draft-eagle3`` computes this draft as trained (see :func:`unsupported_draft_features`)."""
+    """Raise unless llama.cpp's ``draft-eagle3`` computes the draft as trained (:func:`unsupported_draft_features`)."""
     problems = unsupported_draft_features(cfg, has_embedding)
     if problems:
         raise DraftsmithError(
@@ -202,7 +201,7 @@ def check_draft_supported(cfg: Any, has_embedding: bool = True, what: str = "dra
 
 # GGUF value types (gguf-py's GGUFValueType) -> struct format; 8 is a string, 9 an array
 _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_GGML_NUMPY = {0: "<f4", 1: "<f2", 26: "<i4", 27: "<i8", 28: "<f8"}  # the plain ggml tensor types (F32, F16, I32, I64, F64)
+_GGML_NUMPY = {0: "<f4", 1: "<f2", 26: "<i4", 27: "<i8", 28: "<f8"}  # plain ggml types: F32, F16, I32, I64, F64
 
 
 @dataclass
@@ -335,10 +334,9 @@ def check_draft_gguf(path: str | Path, cfg: Any, draft_to_target: Sequence[int] 
     for name, shape in want_shapes.items():
         if name not in tensors or tensors[name][1] != shape:
             raise DraftsmithError(f"{path}: tensor {name} is {tensors.get(name)}, expected shape {shape}")
-    if draft_to_target is not None:
-        if "d2t" not in g.tensors or not np.array_equal(g.array("d2t").reshape(-1), np.asarray(draft_to_target)):
-            raise DraftsmithError(f"{path}: d2t does not map the draft vocabulary onto the verifier ids the "
-                                  "draft uses")
+    if draft_to_target is not None and (
+            "d2t" not in g.tensors or not np.array_equal(g.array("d2t").reshape(-1), np.asarray(draft_to_target))):
+        raise DraftsmithError(f"{path}: d2t does not map the draft vocabulary onto the verifier ids the draft uses")
 
 
 def check_gguf_pair(draft_gguf: str | Path, verifier_gguf: str | Path) -> None:
