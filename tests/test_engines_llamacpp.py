@@ -19,8 +19,8 @@ import torch
 from conftest import smollm2_tokenizer
 from draft_factory import random_draft, tiny_verifier
 from draftsmith.cli import main
-from draftsmith.engines.llamacpp import (LlamaCppEngine, check_gguf_pair, find_build, parse_metrics, read_gguf,
-                                        verifier_gguf)
+from draftsmith.engines.llamacpp import (LlamaCppEngine, check_gguf_pair, draft_gguf, find_build, parse_metrics,
+                                        read_gguf, verifier_gguf)
 from draftsmith.errors import DraftsmithError
 from draftsmith.export import export_gguf, save_draft
 
@@ -210,14 +210,18 @@ def test_servers_are_gone_after_use(runs):
 
 
 def test_an_hf_directory_verifier_is_converted_once_and_served(exported, runs):
-    """The float32 path: an HF directory (here SmolLM2 dequantized) becomes an F32 GGUF, cached."""
+    """The float32 path: an HF directory (here SmolLM2 dequantized) becomes an F32 GGUF, cached; a draft
+    directory given to the engine is exported for it once (cached by content)."""
     from draftsmith.models.verifier import resolve_spec
 
     vdir = str(resolve_spec("smollm2-135m"))
     path = verifier_gguf(vdir)
     assert verifier_gguf(vdir) == path and read_gguf(path).meta["general.file_type"] == 0  # cached; all F32
+    dgguf = draft_gguf(exported["src"], vdir)
+    stamp = dgguf.stat().st_mtime_ns
+    assert draft_gguf(exported["src"], vdir) == dgguf and dgguf.stat().st_mtime_ns == stamp
     prompt, out = runs["prompts"][0], {}
-    for name, draft in (("plain", None), ("spec", exported["gguf"])):
+    for name, draft in (("plain", None), ("spec", exported["src"])):
         with LlamaCppEngine(vdir, draft=draft, k=K, threads=1, ctx_size=256, work_dir=exported["tmp"] / "logs") as eng:
             out[name] = eng.generate(prompt, 16, ignore_eos=True)
     assert out["spec"].token_ids == out["plain"].token_ids, _first_divergence(out["plain"].token_ids,
