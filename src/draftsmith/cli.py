@@ -119,30 +119,49 @@ def run_train(cfg: Any) -> int:
 @dataclass
 class ExportConfig:
     """Write an EAGLE-3 draft in the speculators format vLLM serves (config.json, model.safetensors,
-    draftsmith.json, README.md), after checking it against the verifier it names."""
+    draftsmith.json, README.md), or as the GGUF llama.cpp serves (--format gguf), after checking it
+    against the verifier it names."""
 
     draft: str = opt(help="draft directory: a draftsmith training output or any speculators-format EAGLE-3 draft",
                      positional=True, metavar="DRAFT")
-    out: str = opt(help="output directory (replaced atomically; may equal DRAFT)")
+    out: str = opt(help="output: a directory for --format speculators (replaced atomically; may equal DRAFT), "
+                        "a .gguf file for --format gguf")
+    format: Literal["speculators", "gguf"] = opt("speculators", "speculators: the directory vLLM serves; gguf: the "
+                                                 "file llama-server serves with --spec-type draft-eagle3 (made "
+                                                 "with llama.cpp's converter; `make setup-llamacpp`)")
     num_draft_tokens: int | None = opt(None, "speculative tokens (k) vLLM uses by default; omitted: the draft's")
     verifier_name: str | None = opt(None, "verifier name or path written to config.json for vLLM; omitted: the "
                                           "verifier the draft names")
     verifier: str | None = opt(None, "verifier to check the draft against (HF dir, .gguf, alias); omitted: the "
-                                     "named verifier when it is on this machine")
+                                     "named verifier when it is on this machine (required there for gguf)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt("auto", "weight dtype; auto keeps the draft's")
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
             raise DraftsmithError(f"--num-draft-tokens must be >= 1, got {self.num_draft_tokens}")
+        if self.format == "gguf":
+            for flag, value in (("--num-draft-tokens", self.num_draft_tokens), ("--verifier-name", self.verifier_name)):
+                if value is not None:
+                    raise DraftsmithError(f"{flag} is written to the speculators config.json; a GGUF draft has no such "
+                                          "field (llama-server takes k as --spec-draft-n-max): drop it or use "
+                                          "--format speculators")
+            if not self.out.endswith(".gguf"):
+                raise DraftsmithError(f"--out {self.out!r}: --format gguf writes one file; name it *.gguf")
 
 
 def run_export(cfg: ExportConfig) -> int:
     from pathlib import Path
 
-    from draftsmith.export import save_draft, serve_commands
+    from draftsmith.export import export_gguf, save_draft, serve_commands
     from draftsmith.models.speculators import read_draft, read_provenance
     from draftsmith.models.verifier import load_verifier
 
+    if cfg.format == "gguf":
+        out = export_gguf(cfg.draft, cfg.out, verifier=cfg.verifier, dtype=cfg.dtype)
+        print(f"exported EAGLE-3 draft to {out}\nserve it with:\n\n"
+              f"llama-server -m VERIFIER.gguf -md {Path(out).resolve()} --spec-type draft-eagle3 "
+              "--spec-draft-n-max K --spec-draft-p-min 0")
+        return 0
     previous = read_provenance(cfg.draft) or {}
     verifier = fp = layers = None
     if cfg.verifier is not None:
@@ -191,7 +210,8 @@ COMMANDS: dict[str, Command] = {
                      "break-even; write report.json, report.md and plots"),
     "eval": Command(EvalConfig, run_eval, "teacher-forced acceptance of drafts on held-out prompts, in seconds "
                     "(no timing)"),
-    "export": Command(ExportConfig, run_export, "write a draft in the speculators format vLLM serves"),
+    "export": Command(ExportConfig, run_export, "write a draft in the speculators format vLLM serves, or as the GGUF "
+                      "llama.cpp serves"),
     "kfp compile": Command(KfpCompileConfig, compile_cli, "compile the pipeline for Kubeflow Pipelines v2 (YAML)"),
     "kfp trainjob": Command(KfpTrainJobConfig, trainjob_cli, "write a Kubeflow Trainer TrainJob for multi-node "
                             "training (torchrun)", defaults=trainjob_defaults),

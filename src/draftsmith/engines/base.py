@@ -143,6 +143,7 @@ class ServerProcess:
         self.env = {**os.environ, **(env or {})}
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen[bytes] | None = None
+        self.pid: int | None = None  # kept after stop(), so callers can check that nothing outlived it
 
     def start(self) -> "ServerProcess":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -154,6 +155,7 @@ class ServerProcess:
             raise DraftsmithError(f"{self.name}: cannot start {self.argv[0]!r}: {e}") from e
         finally:
             log.close()
+        self.pid = self.proc.pid
         try:
             self._wait_ready()
         except BaseException:
