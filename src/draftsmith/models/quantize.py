@@ -114,7 +114,7 @@ def _torchao_int4(model: torch.nn.Module) -> torch.nn.Module:
     try:
         from torchao.quantization import Int4WeightOnlyConfig, quantize_
     except ImportError as e:
-        raise DraftsmithError(f"--quantize int4 needs torchao: pip install {TORCHAO_PIN} "
+        raise DraftsmithError(f"--quantize int4 needs torchao: pip install --no-deps {TORCHAO_PIN} "
                               "(requirements-quant.txt)") from e
     if torch.cuda.get_device_capability(next(model.parameters()).device)[0] < 8:
         raise DraftsmithError("--quantize int4: tinygemm's int4 kernel needs a GPU of compute capability >= 8.0")
