@@ -260,7 +260,9 @@ def which_to_choose(rows: list[dict[str, Any]], temperature: float) -> list[dict
         out.append({"option": "draft", "row": r["name"], "speedup": r["speedup"]["median"], "lossless": lossless,
                     "quality": "none" if lossless.startswith("yes") else "see the verdicts above"})
     for quant in dict.fromkeys(r["quant"] for r in ours if r.get("quant")):
-        q = next(r for r in ours if r["kind"] == "quantized" and r["quant"] == quant)
+        q = next((r for r in ours if r["kind"] == "quantized" and r["quant"] == quant), None)
+        if q is None:  # a partial report without this quantization's plain row
+            continue
         ident = (q.get("quality") or {}).get("identical_prompts")
         out.append({"option": "quantized", "row": q["name"], "speedup": q["speedup"]["median"],
                     "lossless": f"no ({ident} identical)" if ident else "no", "quality": _quality_words(q.get("quality"))})
