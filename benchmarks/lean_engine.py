@@ -382,12 +382,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.rss_child:
         rss_child(args)
         return 0
-    from draftsmith.bench.measure import _environment
+    from draftsmith.bench.measure import environment
 
     model, tok, label = load(args)
     out: dict[str, Any] = {"verifier": label, "dtype": args.dtype, "device": str(next(model.parameters()).device),
                            "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-                           "environment": _environment(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                           "environment": environment(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                            "load_average_start": os.getloadavg()}
     t0 = time.time()
     if "plain" in args.sections:

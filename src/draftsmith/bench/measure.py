@@ -268,7 +268,7 @@ def measure_draft_costs(model: torch.nn.Module, proposer: Proposer, prompt: Sequ
     return out
 
 
-def _load_eval_prompts(dataset: str, tokenizer: object, limit: int | None) -> list[tuple[str, list[int]]]:
+def load_eval_prompts(dataset: str, tokenizer: object, limit: int | None) -> list[tuple[str, list[int]]]:
     """Eval prompts as ``(prompt id, token ids)`` from the dataset registry (first user turns)."""
     from draftsmith.data.sources import eval_set
 
@@ -276,7 +276,7 @@ def _load_eval_prompts(dataset: str, tokenizer: object, limit: int | None) -> li
 
 
 
-def _load_average() -> float | None:
+def load_average() -> float | None:
     """1-minute load average (None where the OS has none): other work on the machine skews timings."""
     try:
         return os.getloadavg()[0]
@@ -284,7 +284,7 @@ def _load_average() -> float | None:
         return None
 
 
-def _environment() -> dict[str, Any]:
+def environment() -> dict[str, Any]:
     from draftsmith.utils import environment_info
 
     env = environment_info()
@@ -310,10 +310,10 @@ class BenchState:
     partial: bool = False
     note: str = ""
     started: float = field(default_factory=time.time)
-    load_at_start: float | None = field(default_factory=lambda: _load_average())
+    load_at_start: float | None = field(default_factory=lambda: load_average())
 
 
-def _build_rows(model: torch.nn.Module, proposers: dict[str, Proposer], ks: Sequence[int],
+def build_rows(model: torch.nn.Module, proposers: dict[str, Proposer], ks: Sequence[int],
                 hf_reference: bool, hf_lookup_tokens: int | None) -> list[Row]:
     rows = [Row("plain (ours)", "plain", model)]
     for name, prop in proposers.items():
