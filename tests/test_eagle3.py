@@ -7,7 +7,8 @@ import torch
 
 from conftest import tiny_model
 from draftsmith import generate
-from draftsmith.models.eagle3 import Eagle3Config, Eagle3Draft, Eagle3Proposer
+from draftsmith.decoding.proposers import Eagle3Proposer
+from draftsmith.models.eagle3 import Eagle3Config, Eagle3Draft
 
 
 def _draft(verifier, vd=None, seed=0, **flags):
@@ -41,13 +42,15 @@ def test_ttt_matches_cached_chain(flags, chunk):
     with torch.no_grad():
         ttt = d.forward_ttt(aux, ids[:, :L], pos, mask, steps)
         for t in (0, 4, L - 1):
-            cache = [None, None]
+            cache = d.new_cache(L + steps)
             logits, h = d.step(ids[:, : t + 1], d.fuse(aux[:, : t + 1]), pos[:, : t + 1], cache)
+            cache.advance(t + 1)
             torch.testing.assert_close(logits[0, -1], ttt[0][0, t], atol=1e-5, rtol=1e-5)
             for j in range(1, steps):
                 if t + j >= L:
                     break  # the unroll pads beyond the sequence
                 logits, h = d.step(ids[:, t + j : t + j + 1], h[:, -1:], pos[:, t : t + 1] + j, cache)
+                cache.advance(1)
                 torch.testing.assert_close(logits[0, -1], ttt[j][0, t], atol=1e-5, rtol=1e-5)
 
 

@@ -16,7 +16,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.drafters import load_draft
 from draftsmith.export import save_draft
 from draftsmith.models.speculators import read_draft, read_provenance
-from draftsmith.models.eagle3 import Eagle3Proposer
+from draftsmith.decoding.proposers import Eagle3Proposer
 
 FLAGS = {
     "default": {},

@@ -29,19 +29,20 @@ PROMPTS = ["Why is the sky blue?", "Name three prime numbers.", "What is a verb?
 
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory):
-    """(verifier dir, pipeline YAML) for a pipeline run that takes seconds per step."""
+    """(verifier dir, pipeline YAML) for a pipeline run that takes seconds per step. The verifier
+    echoes its last token (conftest.echo_model), so the trained draft is really faster and the
+    gate's pass path runs on a measured speedup, not on a lowered threshold."""
     root = tmp_path_factory.mktemp("kfp")
-    verifier = save_tiny_chat_verifier(root / "verifier")
+    verifier = save_tiny_chat_verifier(root / "verifier", echo=True)
     data = root / "prompts.jsonl"
     data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
     config = root / "pipeline.yaml"
     config.write_text(yaml.safe_dump({
         "verifier": str(verifier), "preset": "tiny", "out": str(root / "unused"), "device": "cpu",
-        "data": {"dataset": str(data), "num_conversations": 4, "max_new_tokens": 16, "batch_size": 4,
+        "data": {"dataset": str(data), "num_conversations": 4, "max_new_tokens": 48, "batch_size": 4,
                  "max_length": 128, "dtype": "float32"},
-        "train": {"epochs": 1, "draft_vocab_size": 128, "pack_tokens": 128, "eval_every": 5},
-        "bench": {"num_prompts": 1, "max_new_tokens": 8, "num_draft_tokens": [3], "hf_reference": False},
-        "gate": {"min_speedup": 0.0},
+        "train": {"epochs": 10, "lr": 3e-3, "draft_vocab_size": 128, "pack_tokens": 128, "eval_every": 10},
+        "bench": {"num_prompts": 4, "max_new_tokens": 48, "num_draft_tokens": [3], "hf_reference": False},
     }))
     return verifier, config
 
@@ -131,7 +132,7 @@ def test_compile_with_own_image_and_gpus(tmp_path):
 def test_step_configs_give_each_step_what_it_depends_on():
     cfg = build_config(None, {"preset": "tiny"})
     slices = dict(zip(K.STEPS, K.step_configs(K.config_json(cfg))))
-    assert set(json.loads(slices["gate"])) == {"gate"}
+    assert set(json.loads(slices["gate"])) == {"gate", "bench"}  # gate.engine is checked against bench.engines
     assert set(json.loads(slices["prompts"])) == {"data"}
     assert json.loads(slices["train"])["num_draft_tokens"] == 3  # k resolved: the tiny preset measures [3]
     assert K.config_from_json(slices["export"]) == dataclasses.replace(cfg, num_draft_tokens=3)
@@ -188,15 +189,20 @@ def test_local_subprocess_run_gate_pass_then_fail(tiny_setup, tmp_path):
     ours = read_draft(tmp_path / "cli" / "draft").state_dict()
     assert all(torch.equal(t, ours[k]) for k, t in draft.state_dict().items())
 
-    # same data and training, an unreachable threshold: the gate fails and export is skipped
-    strict = build_config(str(config), {"gate": {"min_speedup": 100.0}})
+    # the same run in bfloat16 (the GPU path, as far as a CPU runs it), an unreachable threshold:
+    # the gate fails and export is skipped
+    strict = build_config(str(config), {"gate": {"min_speedup": 100.0}, "dtype": "bfloat16",
+                                         "data": {**yaml.safe_load(config.read_text())["data"], "dtype": "bfloat16"}})
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "fail"),
                workspace_root=str(tmp_path / "workspace"), enable_caching=True, cache_root=str(cache))
     K.build_pipeline(strict, image="draftsmith:local")()
     run = _run_dir(tmp_path / "fail")
     verdict = json.loads((run / "gate" / "verdict").read_text())
     assert verdict["passed"] is False and "below the gate's 100.00x" in verdict["reasons"][0]
+    assert verdict["outputs"]["mismatch"] == 0
     assert not (run / "export").exists()
+    bf16 = json.loads((run / "bench" / "report" / "report.json").read_text())
+    assert bf16["provenance"]["dtype"] == "bfloat16"
     assert not (run / "train").exists()  # served from the cache: the gate's slice alone changed
     del kfp
 

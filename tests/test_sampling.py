@@ -211,7 +211,8 @@ def _chi2_pooled(counts, p, min_expected=5.0):
 def test_sequence_negative_control_always_accept(seq_models, monkeypatch):
     verifier, draft = seq_models
     params = SamplingParams(1.0)
-    monkeypatch.setattr(engine_mod, "rejection_sample", _always_accept)
+    # the engine's device-side verification, replaced by one that accepts every draft
+    monkeypatch.setattr(engine_mod, "rejection_verify", lambda d, p, q, g: torch.tensor(_always_accept(d, p, q, g)))
     prompt = [2, 3, 1]
     exact = _exact_sequence_dist(verifier, prompt, params)
     counts = _sample_sequences(verifier, draft, prompt, params, SEQ_N // 3)

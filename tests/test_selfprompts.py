@@ -133,9 +133,9 @@ def test_self_prompts_bad_input(tok, tmp_path):
         write(m, tok, tmp_path / "c.jsonl", n=0)
     with pytest.raises(DraftsmithError, match="training source of `draftsmith data`"):
         load_prompts("self")
-    from draftsmith.pipeline.config import BenchSection
+    from draftsmith.pipeline.config import build_config
     with pytest.raises(DraftsmithError, match="bench.dataset: 'self' writes training prompts"):
-        BenchSection(dataset="self")
+        build_config(None, {"bench": {"dataset": "self"}})
 
 
 def test_data_step_with_self_prompts(tmp_path):

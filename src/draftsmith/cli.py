@@ -43,6 +43,8 @@ class GenerateConfig:
     dtype: str = opt("auto", "model dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
     device: str = opt("auto", "device: auto, cpu, cuda, cuda:N")
     json: bool = opt(False, "print one JSON object with text, token_ids and stats")
+    compile: bool = opt(False, "torch.compile the verifier and draft steps (CUDA graphs on CUDA); the compile "
+                               "time is reported apart from the decoding time")
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
@@ -62,7 +64,7 @@ def run_generate(cfg: GenerateConfig) -> int:
     ids = encode_prompt(tokenizer, cfg.prompt, chat=cfg.chat)
     out = generate(model, ids, proposer=proposer, max_new_tokens=cfg.max_new_tokens,
                    temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                   num_draft_tokens=cfg.num_draft_tokens, seed=cfg.seed)
+                   num_draft_tokens=cfg.num_draft_tokens, seed=cfg.seed, compile=cfg.compile)
     text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
     if cfg.json:
         print(json.dumps({"text": text, "token_ids": out.token_ids, "stats": out.stats}))
@@ -71,7 +73,9 @@ def run_generate(cfg: GenerateConfig) -> int:
         print(text)
         print(f"\n[{s['new_tokens']} tokens in {s['seconds']:.2f}s = {s['tokens_per_second']:.1f} tok/s; "
               f"verifier forwards {s['verifier_forwards']}; drafts {s['drafts']}, "
-              f"acceptance length {s['acceptance_length']:.2f}, acceptance rate {s['acceptance_rate']:.2f}]")
+              f"acceptance length {s['acceptance_length']:.2f}, acceptance rate {s['acceptance_rate']:.2f}; "
+              f"engine {s['engine']}" + (f", compiled in {s['compile_seconds']:.1f}s" if s["compile_seconds"] else "")
+              + "]")
     return 0
 
 
@@ -94,14 +98,7 @@ def run_data(cfg: Any) -> int:
 
     out = Path(cfg.out)
     v = steps.Verifier(cfg.verifier, steps.data_dtype(cfg.dtype, cfg.device), cfg.device)
-    cache = StepCache(out / "steps")
-    data = steps.regeneration_key(cfg)
-    p = cache.run("prompts", steps.prompts_key(cfg, v), lambda w: steps.prompts(cfg, w, v))
-    r = cache.run("regenerate", {"fp": v.fingerprint, "prompts": p["sha"], "data": data},
-                  lambda w: steps.regenerate(v, Path(p["path"]), cfg, w))
-    c = cache.run("capture", {"fp": v.fingerprint, "regenerated": r["sha"], **steps.capture_key(cfg),
-                              "dtype": v.dtype},
-                  lambda w: steps.capture(v, Path(r["path"]), cfg, w))
+    _, r, c = steps.run_data_steps(StepCache(out / "steps"), cfg, v, v.fingerprint)
     link = out / "shards"
     if link.is_symlink() or link.exists():
         link.unlink()
@@ -122,34 +119,53 @@ def run_train(cfg: Any) -> int:
 @dataclass
 class ExportConfig:
     """Write an EAGLE-3 draft in the speculators format vLLM serves (config.json, model.safetensors,
-    draftsmith.json, README.md), after checking it against the verifier it names."""
+    draftsmith.json, README.md), or as the GGUF llama.cpp serves (--format gguf), after checking it
+    against the verifier it names."""
 
     draft: str = opt(help="draft directory: a draftsmith training output or any speculators-format EAGLE-3 draft",
                      positional=True, metavar="DRAFT")
-    out: str = opt(help="output directory (replaced atomically; may equal DRAFT)")
+    out: str = opt(help="output: a directory for --format speculators (replaced atomically; may equal DRAFT), "
+                        "a .gguf file for --format gguf")
+    format: Literal["speculators", "gguf"] = opt("speculators", "speculators: the directory vLLM serves; gguf: the "
+                                                 "file llama-server serves with --spec-type draft-eagle3 (made "
+                                                 "with llama.cpp's converter; `make setup-llamacpp`)")
     num_draft_tokens: int | None = opt(None, "speculative tokens (k) vLLM uses by default; omitted: the draft's")
     verifier_name: str | None = opt(None, "verifier name or path written to config.json for vLLM; omitted: the "
                                           "verifier the draft names")
     verifier: str | None = opt(None, "verifier to check the draft against (HF dir, .gguf, alias); omitted: the "
-                                     "named verifier when it is on this machine")
+                                     "named verifier when it is on this machine (required there for gguf)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt("auto", "weight dtype; auto keeps the draft's")
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
             raise DraftsmithError(f"--num-draft-tokens must be >= 1, got {self.num_draft_tokens}")
+        if self.format == "gguf":
+            for flag, value in (("--num-draft-tokens", self.num_draft_tokens), ("--verifier-name", self.verifier_name)):
+                if value is not None:
+                    raise DraftsmithError(f"{flag} is written to the speculators config.json; a GGUF draft has no such "
+                                          "field (llama-server takes k as --spec-draft-n-max): drop it or use "
+                                          "--format speculators")
+            if not self.out.endswith(".gguf"):
+                raise DraftsmithError(f"--out {self.out!r}: --format gguf writes one file; name it *.gguf")
 
 
 def run_export(cfg: ExportConfig) -> int:
     from pathlib import Path
 
-    from draftsmith.export import save_draft, serve_commands
+    from draftsmith.export import export_gguf, save_draft, serve_commands
     from draftsmith.models.speculators import read_draft, read_provenance
     from draftsmith.models.verifier import load_verifier
 
+    if cfg.format == "gguf":
+        out = export_gguf(cfg.draft, cfg.out, verifier=cfg.verifier, dtype=cfg.dtype)
+        print(f"exported EAGLE-3 draft to {out}\nserve it with:\n\n"
+              f"llama-server -m VERIFIER.gguf -md {Path(out).resolve()} --spec-type draft-eagle3 "
+              "--spec-draft-n-max K --spec-draft-p-min 0")
+        return 0
     previous = read_provenance(cfg.draft) or {}
     verifier = fp = layers = None
     if cfg.verifier is not None:
-        verifier, _, fp = load_verifier(cfg.verifier, dtype="float32", device="cpu")
+        verifier, _, fp = load_verifier(cfg.verifier, dtype="auto", device="auto")  # shapes and fingerprint only
         layers = verifier.config.get_text_config().num_hidden_layers
     draft = read_draft(cfg.draft, verifier_layers=layers)
     old_verifier = previous.get("verifier") or {}
@@ -194,7 +210,8 @@ COMMANDS: dict[str, Command] = {
                      "break-even; write report.json, report.md and plots"),
     "eval": Command(EvalConfig, run_eval, "teacher-forced acceptance of drafts on held-out prompts, in seconds "
                     "(no timing)"),
-    "export": Command(ExportConfig, run_export, "write a draft in the speculators format vLLM serves"),
+    "export": Command(ExportConfig, run_export, "write a draft in the speculators format vLLM serves, or as the GGUF "
+                      "llama.cpp serves"),
     "kfp compile": Command(KfpCompileConfig, compile_cli, "compile the pipeline for Kubeflow Pipelines v2 (YAML)"),
     "kfp trainjob": Command(KfpTrainJobConfig, trainjob_cli, "write a Kubeflow Trainer TrainJob for multi-node "
                             "training (torchrun)", defaults=trainjob_defaults),

@@ -10,6 +10,7 @@ never disagree about defaults.
 from __future__ import annotations
 
 import argparse
+import re
 import dataclasses
 import types
 import typing
@@ -84,7 +85,7 @@ def _field_types(cls: type) -> dict[str, Any]:
 
 def coerce(cls: type, name: str, value: Any, prefix: str = "") -> Any:
     """Convert a raw value (from YAML or argv) to the declared type of ``cls.name``."""
-    flag = flag_name(prefix + name)
+    flag = prefix + name if prefix else flag_name(name)  # a config key (section.field) or a flag
     tp, optional = _unwrap(_field_types(cls)[name])
     if value is None:
         if optional:
@@ -115,6 +116,12 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         return cls(**kwargs)
     except TypeError as e:  # a required key is missing
         raise DraftsmithError(f"{prefix or 'config'}: {e}") from None
+    except DraftsmithError as e:
+        if not prefix:
+            raise
+        # validation names command-line flags; inside a config file the key is section.field
+        raise DraftsmithError(re.sub(r"--([a-z][a-z0-9-]*)", lambda m: prefix + m.group(1).replace("-", "_"),
+                                     str(e))) from None
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

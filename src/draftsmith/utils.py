@@ -41,6 +41,22 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+def check_dtype_name(dtype: str, flag: str = "--dtype") -> None:
+    """Refuse a dtype name :func:`resolve_dtype` would not know, before any work."""
+    if dtype != "auto" and dtype not in _DTYPES:
+        raise DraftsmithError(f"{flag}: unknown dtype {dtype!r}; use auto or one of {sorted(set(_DTYPES))}")
+
+
+def check_device_name(device: str, flag: str = "--device") -> None:
+    """Refuse a device string torch cannot parse (availability is checked when it is used)."""
+    if device == "auto":
+        return
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError):
+        raise DraftsmithError(f"{flag}: unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     """``None``/"auto": bfloat16 on CUDA, float32 on CPU (exact greedy equivalence is a float32 property)."""
     if isinstance(dtype, torch.dtype):

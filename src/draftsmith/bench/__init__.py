@@ -19,6 +19,6 @@ Modules: :mod:`~draftsmith.bench.run` (config and entry point),
 :mod:`~draftsmith.bench.report` (report.json, report.md, plots).
 """
 
-from draftsmith.bench.run import BenchConfig, benchmark, run_bench
+from draftsmith.bench.run import BenchConfig, BenchSettings, benchmark, run_bench
 
-__all__ = ["BenchConfig", "benchmark", "run_bench"]
+__all__ = ["BenchConfig", "BenchSettings", "benchmark", "run_bench"]

@@ -7,6 +7,7 @@ as they come, so an interrupted run keeps what it measured.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import statistics
@@ -19,8 +20,10 @@ from typing import Any, Sequence
 import torch
 
 from draftsmith.bench.costmodel import CostModel, fit_draft_cost, monotone_fit
+from draftsmith.bench.verdict import OutputVerdict, compare_outputs, model_scorer
 from draftsmith.decoding.proposers import DraftContext, Proposal, Proposer
 from draftsmith.decoding.sampling import SamplingParams
+from draftsmith.engines import OURS
 
 
 def _sync(device: torch.device) -> None:
@@ -112,7 +115,10 @@ class Row:
         kind: plain | drafter | hf-generate | hf-prompt-lookup.
         drafter: drafter label (rows of one drafter at several k share it).
         k: draft length (None for rows without drafting).
+        engine: what decodes: ``draftsmith`` (this process) or a serving engine's name.
     """
+
+    engine = OURS
 
     def __init__(self, name: str, kind: str, model: torch.nn.Module, drafter: str | None = None,
                  k: int | None = None, proposer: Proposer | None = None) -> None:
@@ -148,6 +154,56 @@ class Row:
         return seq[0, ids.shape[0]:].tolist()
 
 
+class EngineRow(Row):
+    """A row a serving engine decodes, in its own process (vLLM, llama.cpp): plain or with a draft.
+
+    Its stats are the engine's own counters for the request (vLLM's definitions); greedy only.
+    """
+
+    def __init__(self, name: str, kind: str, model: torch.nn.Module, server: Any, engine: str,
+                 drafter: str | None = None, k: int | None = None) -> None:
+        super().__init__(name, kind, model, drafter, k)
+        self.server, self.engine = server, engine
+
+    def __call__(self, ids: torch.Tensor, max_new_tokens: int, temperature: float,
+                 seed: int) -> tuple[list[int], dict[str, Any] | None, list[tuple[int, int, float]]]:
+        res = self.server.generate(ids.tolist(), max_new_tokens)
+        c = res.counters
+        stats = None if c is None else {
+            "drafts": c.drafts, "draft_tokens": c.draft_tokens, "accepted_tokens": c.accepted_tokens,
+            "per_position_acceptance": c.per_position_acceptance, "new_tokens": len(res.token_ids)}
+        return res.token_ids, stats, []
+
+
+def engine_rows(stack: contextlib.ExitStack, engines: Sequence[str], model: torch.nn.Module, verifier: str,
+                drafts: dict[str, Path], ks: Sequence[int], work_dir: Path,
+                threads: int | None = None) -> list[Row]:
+    """Start each serving engine plainly and with each draft at each k (stopped by ``stack``)."""
+    from draftsmith.engines import open_engine
+
+    rows: list[Row] = []
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    for engine in engines:
+        if engine == OURS:
+            continue
+        start = lambda d=None, k=3: stack.enter_context(open_engine(  # noqa: E731
+            engine, verifier, d, k, work_dir=work_dir, threads=threads, dtype=dtype))
+        print(f"bench: starting {engine} (plain) ...", file=sys.stderr)
+        rows.append(EngineRow(f"{engine} plain", "plain", model, start(), engine))
+        for label, d in drafts.items():
+            for k in ks:
+                print(f"bench: starting {engine} with {label} at k={k} ...", file=sys.stderr)
+                rows.append(EngineRow(f"{engine} {label} k={k}", "drafter", model, start(d, k), engine,
+                                      drafter=label, k=k))
+    return rows
+
+
+def baseline_index(rows: Sequence[Row], r: int) -> int:
+    """The plain row of row ``r``'s engine: what its speedup and outputs are compared with."""
+    engine = rows[r].engine
+    return next(i for i, row in enumerate(rows) if row.kind == "plain" and row.engine == engine)
+
+
 def timed_run(row: Row, ids: torch.Tensor, max_new_tokens: int, temperature: float, seed: int) -> RunResult:
     """Run ``row`` once on ``ids``, timing wall-clock (prefill included) and peak memory."""
     device = ids.device
@@ -169,27 +225,25 @@ def measure_verify_costs(model: torch.nn.Module, context: Sequence[int], ns: Seq
     The same call the engine makes (cache append, logits of n positions), rolled back
     after each timing; n values are interleaved so drift spreads over all of them.
     """
-    from transformers import DynamicCache
-
-    from draftsmith.decoding.engine import verifier_forward
+    from draftsmith.decoding.runner import verifier_runner
 
     device = next(model.parameters()).device
     ctx = torch.as_tensor(list(context), dtype=torch.long, device=device)
     probe = ctx[-max(ns):] if ctx.shape[0] >= max(ns) else ctx.repeat(max(ns) // ctx.shape[0] + 1)[:max(ns)]
     times: dict[int, list[float]] = {n: [] for n in ns}
     with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        verifier_forward(model, ctx, cache, 1, ())
-        cache.activate_past_recording()
+        runner = verifier_runner(model, ctx.shape[0] + max(ns))  # the engine's path and cache
+        runner.forward(ctx, 1)
         for rep in range(warmup + repeats):
             for n in ns:
                 _sync(device)
                 t0 = time.perf_counter()
-                verifier_forward(model, probe[:n], cache, n, ())
+                runner.forward(probe[:n], n)
                 _sync(device)
                 if rep >= warmup:
                     times[n].append(time.perf_counter() - t0)
-                cache.crop(-n)
+                runner.rollback(ctx.shape[0])
+        runner.close()
     return monotone_fit({n: statistics.median(v) for n, v in times.items()})
 
 
@@ -252,6 +306,7 @@ class BenchState:
     costs: CostModel | None = None
     draft_per_call: dict[str, dict[int, float]] = field(default_factory=dict)
     draft_fit: dict[str, tuple[float, float]] = field(default_factory=dict)
+    verdicts: dict[tuple[int, int], OutputVerdict] = field(default_factory=dict)  # (row, prompt), greedy only
     partial: bool = False
     note: str = ""
     started: float = field(default_factory=time.time)
@@ -320,3 +375,25 @@ def measure_costs(state: BenchState, proposers: dict[str, Proposer], ks: Sequenc
         state.draft_fit[name] = fit_draft_cost(per_call)
 
 
+
+
+def judge_outputs(state: BenchState, model: torch.nn.Module) -> None:
+    """Greedy runs: classify every row's output on every prompt against plain decoding
+    (identical / tie / mismatch, :mod:`draftsmith.bench.verdict`) into ``state.verdicts``.
+
+    Divergences are rescored with ``model`` in its own dtype and, when that is not
+    float32, with a float32 copy made on the first divergence only.
+    """
+    dtype = next(model.parameters()).dtype
+    score, fp32 = model_scorer(model), None
+    for (r, p), runs in sorted(state.results.items()):
+        base = baseline_index(state.rows, r)
+        if r == base or (base, p) not in state.results or (r, p) in state.verdicts:
+            continue
+        ref, cand = state.results[(base, p)][0].token_ids, runs[0].token_ids
+        if ref != cand and dtype != torch.float32 and fp32 is None:
+            import copy
+
+            fp32 = model_scorer(copy.deepcopy(model).float())
+        state.verdicts[(r, p)] = compare_outputs(state.prompts[p][1], ref, cand, score=score, dtype=dtype,
+                                                 score_float32=fp32)

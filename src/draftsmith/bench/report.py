@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from draftsmith.bench.costmodel import (DrafterProfile, best_k, break_even_alpha, limiting_term, predict)
-from draftsmith.bench.measure import BenchState, RunResult, _environment, _load_average
+from draftsmith.bench.measure import BenchState, RunResult, _environment, _load_average, baseline_index
 from draftsmith.bench.stats import bootstrap_ci, paired_ratios, summarize
+from draftsmith.bench.verdict import TIE_ULPS, count_kinds
 from draftsmith.config import to_dict
+from draftsmith.engines import OURS
 
 if TYPE_CHECKING:
     from draftsmith.bench.run import BenchConfig
@@ -27,6 +29,7 @@ def _pooled_acceptance(results: list[RunResult], k: int) -> dict[str, Any]:
     accepted_at = [0] * k
     new_tokens = forwards = 0
     lengths = [0] * (k + 1)
+    accepted_total = 0
     for res in results:
         s = res.stats or {}
         d = s.get("drafts", 0)
@@ -34,20 +37,24 @@ def _pooled_acceptance(results: list[RunResult], k: int) -> dict[str, Any]:
         draft_tokens += s.get("draft_tokens", 0)
         for i, p in enumerate(s.get("per_position_acceptance", [])[:k]):
             accepted_at[i] += round(p * d)
+        # an engine may report the total only (llama.cpp: no per-position counters)
+        accepted_total += s.get("accepted_tokens", round(sum(s.get("per_position_acceptance", [])[:k]) * d))
         new_tokens += s.get("new_tokens", 0)
         forwards += s.get("verifier_forwards", 0)
         for req, got, _ in res.draft_calls:
             if req == k:
                 lengths[min(got, k)] += 1
-    accepted = sum(accepted_at)
+    accepted = accepted_total
     rounds = forwards - len(results)  # the prefill forward emits the first token, not a round
     calls = sum(lengths)
     return {
         "drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
         "acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
         "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
-        "per_position_acceptance": [a / drafts if drafts else 0.0 for a in accepted_at],
-        "tokens_per_round": (new_tokens - len(results)) / rounds if rounds > 0 else None,
+        "per_position_acceptance": ([a / drafts if drafts else 0.0 for a in accepted_at]
+                                    if any(s and s.get("per_position_acceptance") for s in (r.stats for r in results))
+                                    else []),
+        "tokens_per_round": (new_tokens - len(results)) / rounds if forwards and rounds > 0 else None,
         "drafted_fraction": (calls - lengths[0]) / calls if calls else None,
         "mean_draft_length": (sum(i * c for i, c in enumerate(lengths)) / (calls - lengths[0])
                               if calls - lengths[0] > 0 else 0.0),
@@ -60,19 +67,20 @@ def _row_report(state: BenchState, r: int, cfg: BenchConfig) -> dict[str, Any] |
     done = sorted(p for (rr, p) in state.results if rr == r)
     if not done:
         return None
+    b0 = baseline_index(state.rows, r)
     tps = {p: statistics.median(x.tokens_per_second for x in state.results[(r, p)]) for p in done}
-    base = {p: statistics.median(x.tokens_per_second for x in state.results[(0, p)])
-            for p in done if (0, p) in state.results}
+    base = {p: statistics.median(x.tokens_per_second for x in state.results[(b0, p)])
+            for p in done if (b0, p) in state.results}
     paired = [p for p in done if p in base]
     runs = [x for p in done for x in state.results[(r, p)]]
     ratios = paired_ratios([tps[p] for p in paired], [base[p] for p in paired])
     out: dict[str, Any] = {
-        "name": row.name, "kind": row.kind, "drafter": row.drafter, "k": row.k,
+        "name": row.name, "kind": row.kind, "drafter": row.drafter, "k": row.k, "engine": row.engine,
         "tokens_per_second": summarize(list(tps.values())),
         "speedup": {"median": float(np.median(ratios)) if ratios else None,
                     "ci95": list(bootstrap_ci(ratios, n_resamples=cfg.bootstrap, seed=cfg.seed)) if ratios else None,
-                    "n": len(ratios), "per_prompt": ratios},
-        "identical_output_rate": None, "identical_prompts": None,
+                    "n": len(ratios), "per_prompt": ratios, "prompts": [state.prompts[p][0] for p in paired]},
+        "identical_output_rate": None, "identical_prompts": None, "outputs": None,
         "peak_rss_bytes": max((x.peak_rss for x in runs if x.peak_rss is not None), default=None),
         "peak_cuda_bytes": max((x.peak_cuda for x in runs if x.peak_cuda is not None), default=None),
         "per_prompt": [{"prompt": state.prompts[p][0], "prompt_tokens": len(state.prompts[p][1]),
@@ -80,9 +88,14 @@ def _row_report(state: BenchState, r: int, cfg: BenchConfig) -> dict[str, Any] |
                         "seconds": [x.seconds for x in state.results[(r, p)]]} for p in done],
     }
     if cfg.temperature == 0 and paired:
-        same = [p for p in paired if state.results[(r, p)][0].token_ids == state.results[(0, p)][0].token_ids]
+        same = [p for p in paired if state.results[(r, p)][0].token_ids == state.results[(b0, p)][0].token_ids]
         out["identical_output_rate"] = len(same) / len(paired)
         out["identical_prompts"] = f"{len(same)}/{len(paired)}"
+        verdicts = {p: state.verdicts[(r, p)] for p in paired if (r, p) in state.verdicts}
+        if verdicts:
+            out["outputs"] = {**count_kinds(list(verdicts.values())),
+                              "divergences": [{"prompt": state.prompts[p][0], **v.to_dict()}
+                                              for p, v in verdicts.items() if v.kind != "identical"]}
     if row.kind == "drafter":
         out["acceptance"] = _pooled_acceptance(runs, row.k)
     return out
@@ -93,8 +106,9 @@ def _break_even(state: BenchState, rows: list[dict[str, Any]], cfg: BenchConfig)
     if state.costs is None:
         return {}
     out: dict[str, Any] = {}
-    for name in dict.fromkeys(r["drafter"] for r in rows if r["kind"] == "drafter"):
-        mine = sorted((r for r in rows if r["drafter"] == name), key=lambda r: r["k"])
+    ours = [r for r in rows if r.get("engine", OURS) == OURS]  # the cost model is our engine's
+    for name in dict.fromkeys(r["drafter"] for r in ours if r["kind"] == "drafter"):
+        mine = sorted((r for r in ours if r["drafter"] == name), key=lambda r: r["k"])
         basis = mine[-1]  # the longest drafts see the most positions
         acc = basis["acceptance"]
         profile = DrafterProfile(basis["k"], acc["per_position_acceptance"], acc["length_counts"])
@@ -153,11 +167,43 @@ def build_report(state: BenchState, cfg: BenchConfig, provenance: dict[str, Any]
             "context_tokens": c.context_tokens, "t1_seconds": c.t1,
             "t_verify_seconds": {str(n): t for n, t in c.t_verify.items()}},
         "break_even": _break_even(state, rows, cfg),
+        "engine_agreement": engine_agreement(rows),
     }
+
+
+def engine_agreement(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per drafter and k, our engine's acceptance next to each serving engine's own counters.
+
+    ``ratio`` is the serving engine's acceptance length over ours (1.0: they agree); the
+    target is within 10%. Per position where the engine reports it (vLLM does, llama.cpp not).
+    """
+    out = []
+    for r in rows:
+        if r.get("engine", OURS) == OURS or r["kind"] != "drafter" or not r.get("acceptance"):
+            continue
+        mine = next((x for x in rows if x.get("engine", OURS) == OURS and x["drafter"] == r["drafter"]
+                     and x["k"] == r["k"] and x.get("acceptance")), None)
+        if mine is None:
+            continue
+        a, b = mine["acceptance"], r["acceptance"]
+        out.append({"engine": r["engine"], "drafter": r["drafter"], "k": r["k"],
+                    "acceptance_length": {"ours": a["acceptance_length"], "engine": b["acceptance_length"]},
+                    "ratio": b["acceptance_length"] / a["acceptance_length"],
+                    "per_position": {"ours": a["per_position_acceptance"], "engine": b["per_position_acceptance"]}})
+    return out
 
 
 def _fmt_bytes(n: int | None) -> str:
     return "-" if not n else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def _fmt_outputs(row: dict[str, Any]) -> str:
+    if row["kind"] == "plain":
+        return "ref"
+    o = row.get("outputs")
+    if o:
+        return f"{o['identical']} / {o['tie']} / {o['mismatch']}"
+    return "n/a" if row["identical_output_rate"] is None else f"{row['identical_prompts']} identical"
 
 
 def _fmt_ms(s: float) -> str:
@@ -181,24 +227,31 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", f"**PARTIAL REPORT: {report['note']} after {report['prompts']['runs']} runs "
                       f"({report['prompts']['measured']}/{report['prompts']['requested']} prompts).**"]
     cuda = any(r["peak_cuda_bytes"] for r in report["rows"])
-    lines += ["", "| row | tok/s median [IQR] | speedup [95% CI] | acc. length | acc. rate | identical | "
-                  f"peak {'CUDA' if cuda else 'RSS'} |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "| row | tok/s median [IQR] | speedup [95% CI] | acc. length | acc. rate | "
+                  f"outputs: identical / tie / mismatch | peak {'CUDA' if cuda else 'RSS'} |",
+              "|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         t, s, acc = r["tokens_per_second"], r["speedup"], r.get("acceptance")
         speed = "1.00x (baseline)" if r["kind"] == "plain" else (
             f"{s['median']:.2f}x [{s['ci95'][0]:.2f}-{s['ci95'][1]:.2f}]" if s["median"] is not None else "-")
-        ident = "ref" if r["kind"] == "plain" else (
-            "n/a" if r["identical_output_rate"] is None else f"{100 * r['identical_output_rate']:.0f}%")
         lines.append(f"| {r['name']} | {t['median']:.1f} [{t['p25']:.1f}-{t['p75']:.1f}] | {speed} | "
                      + (f"{acc['acceptance_length']:.2f} | {acc['acceptance_rate']:.2f}" if acc else "- | -")
-                     + f" | {ident} | {_fmt_bytes(r['peak_cuda_bytes'] if cuda else r['peak_rss_bytes'])} |")
-    bad = [r for r in report["rows"] if r["kind"] in ("plain", "drafter") and r["identical_output_rate"] is not None
-           and r["identical_output_rate"] < 1.0]
-    for r in bad:
-        why = ("greedy speculative decoding in float32 must not: a bug" if prov.get("dtype") == "float32" else
-               "in low precision, verifying several tokens at once can flip near-ties; check with --dtype float32")
-        lines += ["", f"**WARNING: {r['name']} output equals plain decoding on only {r['identical_prompts']} "
-                      f"prompts; {why}.**"]
+                     + f" | {_fmt_outputs(r)} | {_fmt_bytes(r['peak_cuda_bytes'] if cuda else r['peak_rss_bytes'])} |")
+    for r in report["rows"]:
+        o = r.get("outputs")
+        if not o or not (o["tie"] or o["mismatch"]):
+            continue
+        worst = max((d for d in o["divergences"] if d["kind"] == "tie"), key=lambda d: d["margin"], default=None)
+        if o["mismatch"]:
+            first = next(d for d in o["divergences"] if d["kind"] == "mismatch")
+            lines += ["", f"**MISMATCH: {r['name']} leaves plain decoding on {o['mismatch']} prompt(s) where no "
+                          f"rounding explains it (first: prompt {first['prompt']}, {first['reason']}). This is a "
+                          "bug in the decoding, not a numerical tie.**"]
+        if worst is not None:
+            lines += ["", f"Note: {r['name']} parts from plain decoding at a numerical tie on {o['tie']} prompt(s) "
+                          f"(largest margin {worst['margin']:.3g}, float32 {worst['margin_float32']:.3g}, tolerance "
+                          f"{worst['tolerance']:.3g} = {TIE_ULPS:g} ulps of {prov.get('dtype', '?')}): verifying "
+                          "several tokens at once rounds differently from one at a time; identical up to ties."]
     costs = report["costs"]
     if costs:
         tv = costs["t_verify_seconds"]
@@ -219,7 +272,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             head = f"{s:.2f}x at k={k}"
         line = (f"- **{name}**: {head}, predicted {pred:.2f}x; best predicted k = {be['best_k']} "
                 f"({be['best_k_predicted_speedup']:.2f}x). ")
-        acc = next(r for r in report["rows"] if r["drafter"] == name and r["k"] == k)["acceptance"]
+        acc = next(r for r in report["rows"] if r["drafter"] == name and r["k"] == k
+                   and r.get("engine", OURS) == OURS)["acceptance"]
         if acc["drafted_fraction"] is not None and acc["drafted_fraction"] < 0.999:
             line += (f"Drafted in {100 * acc['drafted_fraction']:.0f}% of rounds "
                      f"(mean length {acc['mean_draft_length']:.1f}). ")
@@ -233,6 +287,15 @@ def render_markdown(report: dict[str, Any]) -> str:
                 line += (f"; break-even needs alpha >= {ba:.2f}, measured {be['measured_alpha']:.2f}" if ba
                          else "; even perfect acceptance cannot pay for this draft cost" if ba is None else "")
         lines.append(line + ".")
+    agree = report.get("engine_agreement") or []
+    if agree:
+        lines += ["", "## Acceptance where it is served (the engine's own counters vs ours)", ""]
+        for a in agree:
+            pos = a["per_position"]["engine"]
+            lines.append(f"- **{a['engine']}** {a['drafter']} k={a['k']}: acceptance length "
+                         f"{a['acceptance_length']['engine']:.2f} vs ours {a['acceptance_length']['ours']:.2f} "
+                         f"({100 * (a['ratio'] - 1):+.0f}%; target within 10%)"
+                         + (f"; per position {' '.join(f'{x:.2f}' for x in pos)}" if pos else ""))
     lines += ["", "Plots: " + ", ".join(f"[{p}]({p})" for p in PLOTS) + ". All numbers: report.json."]
     return "\n".join(lines) + "\n"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,30 +10,30 @@ from typing import Any
 
 import torch
 
-from draftsmith.bench.measure import BenchState, _build_rows, _load_eval_prompts, measure_costs, measure_interleaved
+from draftsmith.bench.measure import (BenchState, _build_rows, _load_eval_prompts, engine_rows, judge_outputs,
+                                      measure_costs, measure_interleaved)
 from draftsmith.bench.report import build_report, render_markdown, write_report
 from draftsmith.config import opt
 from draftsmith.decoding.proposers import Proposer
 from draftsmith.drafters import DRAFTER_HELP
+from draftsmith.engines import ENGINES, OURS
 from draftsmith.errors import DraftsmithError
 
 EVAL_DATASETS = ("mt-bench", "humaneval")
 
 
 @dataclass
-class BenchConfig:
-    """Measure drafters against plain decoding: speedup, acceptance, break-even; write a report."""
+class BenchSettings:
+    """What to measure and how: the pipeline's ``bench`` section and `draftsmith bench`'s options."""
 
-    verifier: str = opt(help="verifier: HF model dir, .gguf file, or alias (smollm2-135m)")
-    out: Path = opt(help="output directory for report.json, report.md and plots")
-    drafter: list[str] = opt(default_factory=list, help=f"drafter(s) to measure, repeatable: {DRAFTER_HELP}")
-    draft: list[str] = opt(default_factory=list, help="EAGLE-3 draft directory(ies) to measure, repeatable")
-    dataset: str = opt("mt-bench", "eval prompts: mt-bench (first turns), humaneval, or a JSONL file")
+    dataset: str = opt("mt-bench", "held-out eval prompts: mt-bench (first turns), humaneval, or a JSONL file")
     num_prompts: int = opt(20, "number of prompts (the first N of the dataset)")
     max_new_tokens: int = opt(128, "new tokens per prompt")
-    num_draft_tokens: list[int] = opt(default_factory=lambda: [5],
-                                      help="k, tokens drafted per round; several values are swept")
-    temperature: float = opt(0.0, "0 = greedy (outputs must equal plain decoding); > 0 samples")
+    num_draft_tokens: list[int] = opt(default_factory=lambda: [3, 5],
+                                      help="k, tokens drafted per round; several values are swept (the gate "
+                                           "then chooses k on half of the prompts and judges it on the rest)")
+    temperature: float = opt(0.0, "0 = greedy (outputs must equal plain decoding, up to numerical ties); "
+                                  "> 0 samples")
     repeats: int = opt(1, "timed passes over all prompts (per-prompt median is used)")
     warmup_tokens: int = opt(32, "new tokens of the untimed warm-up run of every row")
     hf_reference: bool = opt(True, "also measure HF transformers generate and HF prompt lookup")
@@ -41,19 +42,25 @@ class BenchConfig:
     bootstrap: int = opt(2000, "bootstrap resamples for the speedup confidence interval")
     seed: int = opt(0, "seed for sampling and the bootstrap")
     threads: int | None = opt(None, "torch CPU threads (default: torch's choice); pin it on a shared machine")
-    dtype: str = opt("auto", "model dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
-    device: str = opt("auto", "device: auto, cpu, cuda, cuda:N")
-    progress: bool = opt(True, "show a progress bar")
+    engines: list[str] = opt(default_factory=lambda: [OURS],
+                             help=f"where to measure the EAGLE-3 drafts, side by side: {', '.join(ENGINES)} "
+                                  "(vllm and llama.cpp are started as real servers on 127.0.0.1; greedy only)")
 
     def __post_init__(self) -> None:
-        if not self.drafter and not self.draft:
-            raise DraftsmithError("give at least one --drafter or --draft to measure")
-        for d in self.draft:
-            if not Path(d).is_dir():
-                raise DraftsmithError(f"--draft {d!r}: not a directory")
+        bad = [e for e in self.engines if e not in ENGINES]
+        if bad or not self.engines:
+            raise DraftsmithError(f"--engines: expected some of {list(ENGINES)}, got {self.engines}")
+        self.engines = list(dict.fromkeys(self.engines))
+        if self.temperature > 0 and self.engines != [OURS]:
+            raise DraftsmithError("--engines: serving engines are measured greedy (--temperature 0) only")
+        if self.dataset == "self":
+            raise DraftsmithError("--dataset: 'self' writes training prompts; measure on held-out prompts "
+                                  "(mt-bench, humaneval or a JSONL file)")
         if self.dataset not in EVAL_DATASETS and not Path(self.dataset).is_file():
             raise DraftsmithError(f"--dataset {self.dataset!r}: expected one of {list(EVAL_DATASETS)} "
-                                  "or an existing JSONL file")
+                                  "or an existing JSONL file (measure on held-out prompts)")
+        if self.seed < 0:
+            raise DraftsmithError(f"--seed must be >= 0, got {self.seed}")
         for name in ("num_prompts", "max_new_tokens", "repeats", "warmup_tokens", "bootstrap"):
             if getattr(self, name) < 1:
                 raise DraftsmithError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -70,10 +77,30 @@ class BenchConfig:
             raise DraftsmithError(f"--target-speedup must be > 0, got {self.target_speedup}")
 
 
+@dataclass(kw_only=True)
+class BenchConfig(BenchSettings):
+    """Measure drafters against plain decoding: speedup, acceptance, break-even; write a report."""
+
+    verifier: str = opt(help="verifier: HF model dir, .gguf file, or alias (smollm2-135m)")
+    out: Path = opt(help="output directory for report.json, report.md and plots")
+    drafter: list[str] = opt(default_factory=list, help=f"drafter(s) to measure, repeatable: {DRAFTER_HELP}")
+    draft: list[str] = opt(default_factory=list, help="EAGLE-3 draft directory(ies) to measure, repeatable")
+    dtype: str = opt("auto", "model dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
+    device: str = opt("auto", "device: auto, cpu, cuda, cuda:N")
+    progress: bool = opt(True, "show a progress bar")
+
+    def __post_init__(self) -> None:
+        if not self.drafter and not self.draft:
+            raise DraftsmithError("give at least one --drafter or --draft to measure")
+        for d in self.draft:
+            if not Path(d).is_dir():
+                raise DraftsmithError(f"--draft {d!r}: not a directory")
+        super().__post_init__()
 
 
 def benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], proposers: dict[str, Proposer],
-              cfg: BenchConfig, out_dir: Path, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
+              cfg: BenchConfig, out_dir: Path, provenance: dict[str, Any] | None = None,
+              draft_dirs: dict[str, Path] | None = None) -> dict[str, Any]:
     """Measure every row and write the report (partial on Ctrl-C, which is re-raised).
 
     Args:
@@ -83,11 +110,24 @@ def benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], prop
         cfg: run settings (k sweep, repeats, temperature, ...).
         out_dir: where report.json, report.md and the plots go.
         provenance: verifier spec and fingerprint, command line, dataset name.
+        draft_dirs: label -> speculators draft directory, for the serving engines of
+            ``cfg.engines`` (each is started plainly and with each draft at each k).
 
     Returns:
         The report as written to ``report.json``.
     """
+    with contextlib.ExitStack() as servers:  # every engine server is stopped on the way out, whatever happens
+        return _benchmark(model, prompts, proposers, cfg, out_dir, provenance, draft_dirs or {}, servers)
+
+
+def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], proposers: dict[str, Proposer],
+               cfg: BenchConfig, out_dir: Path, provenance: dict[str, Any] | None, draft_dirs: dict[str, Path],
+               servers: contextlib.ExitStack) -> dict[str, Any]:
     rows = _build_rows(model, proposers, cfg.num_draft_tokens, cfg.hf_reference, cfg.hf_lookup_tokens)
+    if OURS not in cfg.engines:
+        rows = rows[:1]  # our plain row stays: the verdicts and the cost model rest on it
+    rows += engine_rows(servers, cfg.engines, model, cfg.verifier, draft_dirs, cfg.num_draft_tokens,
+                        Path(out_dir) / "engine-logs", cfg.threads)
     state = BenchState(rows, prompts)
     param = next(model.parameters())
     provenance = {**(provenance or {}), "dtype": str(param.dtype).removeprefix("torch."), "device": str(param.device)}
@@ -97,6 +137,8 @@ def benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], prop
         measure_costs(state, proposers, cfg.num_draft_tokens, cfg.max_new_tokens, cfg.temperature, cfg.seed)
         measure_interleaved(state, cfg.max_new_tokens, cfg.temperature, cfg.repeats, cfg.seed,
                             progress=cfg.progress, warmup_tokens=cfg.warmup_tokens)
+        if cfg.temperature == 0:
+            judge_outputs(state, model)
     except KeyboardInterrupt:
         state.partial, state.note = True, "interrupted (Ctrl-C)"
         write_report(build_report(state, cfg, provenance), out_dir)
@@ -119,11 +161,12 @@ def run_bench(cfg: BenchConfig) -> int:
     proposers: dict[str, Proposer] = {}
     for spec in cfg.drafter:
         proposers[spec] = build_proposer(spec, model, tokenizer, dtype=cfg.dtype)
-    for d in cfg.draft:
-        proposers[f"eagle3:{Path(d).name}"] = build_proposer(d, model, tokenizer, dtype=cfg.dtype)
+    draft_dirs = {f"eagle3:{Path(d).name}": Path(d) for d in cfg.draft}
+    for label, d in draft_dirs.items():
+        proposers[label] = build_proposer(str(d), model, tokenizer, dtype=cfg.dtype)
     provenance = {"verifier": cfg.verifier, "fingerprint": fp, "command": command_line(), "dataset": cfg.dataset}
     try:
-        report = benchmark(model, prompts, proposers, cfg, Path(cfg.out), provenance)
+        report = benchmark(model, prompts, proposers, cfg, Path(cfg.out), provenance, draft_dirs)
     except KeyboardInterrupt:
         print(f"bench: partial report written to {cfg.out}/report.md", file=sys.stderr)
         raise

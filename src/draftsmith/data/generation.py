@@ -8,7 +8,7 @@ so a reply does not depend on which rows share its batch or on a resume.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 
@@ -97,3 +97,20 @@ def generate_batch(model: torch.nn.Module, prompts: list[list[int]], seeds: list
         results.append((row, "length") if end is None else (row[:end], "stop"))
     return results
 
+
+Reply = tuple[list[int], str]  # (token ids without the end-of-sequence token, finish reason)
+
+
+class ReplySource(Protocol):
+    """Where regeneration's replies come from when not from the in-process verifier.
+
+    Attributes:
+        engine: recorded as ``meta.generation.engine`` (a resume with another source is refused).
+    """
+
+    engine: str
+
+    def replies(self, batches: list[tuple[list[list[int]], list[int]]], params: SamplingParams,
+                max_new_tokens: int, eos: list[int]) -> Iterator[list[Reply]]:
+        """The replies to each ``(prompts, sampling seeds)`` batch, one list per batch, in order."""
+        ...

@@ -13,13 +13,13 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
 from draftsmith.data.chat import encode_chat
 from draftsmith.data.conversation import Conversation, record_to_conversation, require_conversations
-from draftsmith.data.generation import eos_ids, generate_batch, pad_id, sample_seed
+from draftsmith.data.generation import Reply, ReplySource, eos_ids, generate_batch, pad_id, sample_seed
 from draftsmith.decoding.sampling import SamplingParams
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.verifier import context_length
@@ -60,7 +60,7 @@ def _read_regenerated(path: Path, generation: dict[str, Any], known_ids: set[str
 def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[Conversation], out_path: Path, *,
                max_new_tokens: int = 256, temperature: float = 0.0, top_p: float | None = None,
                batch_size: int = 8, max_prompt_tokens: int | None = None, seed: int = 0, progress: bool = True,
-               fingerprint: str | None = None) -> Path:
+               fingerprint: str | None = None, source: ReplySource | None = None) -> Path:
     """Answer every prompt with the verifier and append the conversations to a JSONL file.
 
     Each line is ``{"id", "messages", "meta"}``: the conversation's prompt messages
@@ -98,6 +98,8 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
         progress: show a progress bar with generated tokens/s.
         fingerprint: the verifier's fingerprint, recorded in ``meta.generation``
             (a resume with another verifier is refused).
+        source: another source of the replies, e.g. an OpenAI-compatible server
+            (:mod:`draftsmith.data.endpoint`); None: ``model.generate`` in this process.
 
     Returns:
         ``out_path``.
@@ -125,6 +127,8 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
         seen.add(c.id)
     generation = {"max_new_tokens": max_new_tokens, "temperature": float(temperature), "top_p": top_p,
                   "seed": seed, "verifier": fingerprint}
+    if source is not None:
+        generation["engine"] = source.engine
     out_path = Path(out_path)
     done = _read_regenerated(out_path, generation, seen)
 
@@ -162,15 +166,17 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
     bar = tqdm(total=len(prompts), initial=len(prompts) - todo, desc="regenerate", unit="sample",
                disable=not progress)
     t0, new_tokens = time.perf_counter(), 0
+    # A partly written batch is generated whole again: the same batch gives the same replies.
+    batches = [b for b in batches if not all(convs[j].id in done for j, _ in b)]
+    work = [([ids for _, ids in b], [sample_seed(seed, convs[j].id) for j, _ in b]) for b in batches]
+    if source is None:
+        answers: Iterator[list[Reply]] = (generate_batch(model, p, s, params, max_new_tokens, eos, pad)
+                                          for p, s in work)
+    else:
+        answers = source.replies(work, params, max_new_tokens, eos)
     try:
         with open(out_path, "ab") as f:
-            for batch in batches:
-                if all(convs[j].id in done for j, _ in batch):
-                    continue
-                # A partly written batch is generated whole again: the same batch gives the same replies.
-                replies = generate_batch(model, [ids for _, ids in batch],
-                                         [sample_seed(seed, convs[j].id) for j, _ in batch],
-                                         params, max_new_tokens, eos, pad)
+            for batch, replies in zip(batches, answers, strict=True):
                 for (j, ids), (reply, reason) in sorted(zip(batch, replies), key=lambda x: x[0][0]):
                     conv = convs[j]
                     if conv.id in done:
@@ -187,6 +193,7 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
         raise write_error(e, out_path, f"the {len(done)} finished replies") from e
     finally:
         bar.close()
+        getattr(answers, "close", lambda: None)()  # a source stops its requests on an error or Ctrl-C
     return out_path
 
 

@@ -14,8 +14,9 @@ from typing import Any, Sequence
 import torch
 
 from draftsmith.decoding.proposers import DraftContext, Proposer
+from draftsmith.decoding.runner import verifier_runner
 from draftsmith.decoding.sampling import SamplingParams, logits_to_probs, sample
-from draftsmith.decoding.verify import greedy_accept, rejection_sample
+from draftsmith.decoding.verify import greedy_verify, rejection_verify
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.verifier import context_length
 
@@ -28,7 +29,9 @@ class GenerationOutput:
     accepted_tokens, acceptance_length (1 + accepted/drafts, vLLM's definition),
     acceptance_rate (accepted/draft_tokens), per_position_acceptance (list: accepted
     at position i / drafts), verifier_forwards (prefill included), new_tokens,
-    seconds (wall time, prefill included), prefill_seconds, tokens_per_second.
+    seconds (wall time, prefill included), prefill_seconds, tokens_per_second,
+    engine (the verifier path, see :mod:`draftsmith.decoding.runner`), compile_seconds
+    (compiling before the clock started; 0 when eager or already compiled).
     """
 
     token_ids: list[int]
@@ -56,24 +59,11 @@ def _eos_ids(model: torch.nn.Module, eos_token_id: int | Sequence[int] | None) -
     return frozenset(int(t) for t in eos_token_id)
 
 
-def verifier_forward(model: torch.nn.Module, ids: torch.Tensor, cache: Any, keep: int,
-                     aux_layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run the verifier on ``ids [n]`` appending to ``cache``.
-
-    Returns:
-        logits ``[keep, V]`` of the last ``keep`` positions and, when
-        ``aux_layer_ids`` is non-empty, the concatenated hidden states ``[n, A*H]``.
-    """
-    out = model(input_ids=ids[None], cache=cache, use_cache=True, logits_to_keep=keep,
-                output_hidden_states=bool(aux_layer_ids))
-    hidden = torch.cat([out.hidden_states[i][0] for i in aux_layer_ids], -1) if aux_layer_ids else None
-    return out.logits[0], hidden
-
-
 def generate(model: torch.nn.Module, input_ids: Any, proposer: Proposer | None = None,
              max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, num_draft_tokens: int = 5, seed: int | None = None,
-             eos_token_id: int | Sequence[int] | None = None) -> GenerationOutput:
+             eos_token_id: int | Sequence[int] | None = None, compile: bool = False,
+             engine: str = "auto") -> GenerationOutput:
     """Generate with speculative decoding (or plainly, when ``proposer`` is None).
 
     At temperature 0 the output equals the verifier's own greedy decoding; above 0
@@ -90,12 +80,14 @@ def generate(model: torch.nn.Module, input_ids: Any, proposer: Proposer | None =
         num_draft_tokens: k, tokens drafted per round.
         seed: seed of the random generator (sampling and rejection tests).
         eos_token_id: stop token(s); None uses ``model.generation_config``'s, ``[]`` none.
+        compile: compile the verifier's decode/verify steps (and the drafter's, where it
+            supports it); compile time is reported as ``compile_seconds``, apart from ``seconds``.
+        engine: verifier path: ``auto`` (the leanest exact one), ``lean``, ``hf-static`` or
+            ``hf-dynamic`` (see :mod:`draftsmith.decoding.runner`).
 
     Returns:
         :class:`GenerationOutput` with the new token ids and statistics.
     """
-    from transformers import DynamicCache
-
     sampling = SamplingParams(temperature, top_k, top_p)
     if num_draft_tokens < 1:
         raise DraftsmithError(f"--num-draft-tokens must be >= 1, got {num_draft_tokens}")
@@ -108,6 +100,9 @@ def generate(model: torch.nn.Module, input_ids: Any, proposer: Proposer | None =
     if limit is not None and L >= limit:
         raise DraftsmithError(f"prompt has {L} tokens but the model's context holds {limit}; shorten it")
     budget = max_new_tokens if limit is None else min(max_new_tokens, limit - L)
+    # Every cache is sized to this request: the verifier writes at most positions L + budget - 2,
+    # a draft at most k - 1 beyond the context it was shown.
+    capacity = L + budget + num_draft_tokens + 1
     eos = _eos_ids(model, eos_token_id)
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     aux: tuple[int, ...] = ()
@@ -115,61 +110,66 @@ def generate(model: torch.nn.Module, input_ids: Any, proposer: Proposer | None =
         proposer.check_compatible(model)
         proposer.reset()
         aux = tuple(proposer.aux_layer_ids) if proposer.requires_hidden_states else ()
+        with torch.inference_mode():
+            proposer.prepare(capacity, compile)
 
     accepted_at = [0] * num_draft_tokens
     drafts = draft_tokens = forwards = 0
     with torch.inference_mode():
-        t0 = time.perf_counter()
-        cache = DynamicCache(config=model.config)
-        logits, hidden = verifier_forward(model, prompt, cache, 1, aux)
-        forwards += 1
-        # From here on sliding-window layers keep what a rollback needs.
-        cache.activate_past_recording()
-        pending_hidden = [hidden] if aux else []
-        probs = logits_to_probs(logits[-1], sampling)
-        token = int(probs.argmax()) if sampling.greedy else int(sample(probs, generator))
-        prefill_seconds = time.perf_counter() - t0
-        seq = torch.empty(L + budget, dtype=torch.long, device=device)
-        seq[:L] = prompt
-        seq[L] = token
-        T = L + 1  # seq[:T] is the context; seq[T-1] is the pending token
-        out = [token]
-        while len(out) < budget and token not in eos:
-            k = min(num_draft_tokens, budget - len(out) - 1) if proposer is not None else 0
-            draft, q = seq[:0], None
-            if k > 0:
-                ctx = DraftContext(seq[:T], torch.cat(pending_hidden) if aux else None)
-                pending_hidden = []
-                proposal = proposer.propose(ctx, k, sampling, generator)
-                draft, q = proposal.tokens[:k], proposal.probs
-            kk = draft.shape[0]
-            logits, hidden = verifier_forward(model, torch.cat([seq[T - 1:T], draft]), cache, kk + 1, aux)
+        runner = verifier_runner(model, capacity, compile=compile, mode=engine, aux_layer_ids=aux,
+                                 warmup_shapes=(1, 2) if proposer is not None else (1,))
+        try:
+            t0 = time.perf_counter()
+            logits, hidden = runner.forward(prompt, 1, aux)
             forwards += 1
-            if sampling.greedy:
-                n, token = greedy_accept(draft, logits)
-            else:
-                n, token = rejection_sample(draft, logits_to_probs(logits, sampling),
-                                            None if q is None else q[:kk], generator)
-            cache.crop(-(kk - n))  # roll back rejected drafts (crop(0) also trims sliding windows)
-            if aux:
-                pending_hidden.append(hidden[: n + 1])
-            if kk:
-                drafts += 1
-                draft_tokens += kk
-                for i in range(n):
-                    accepted_at[i] += 1
-            new = draft[:n].tolist() + [token] if n else [token]
-            for i, t in enumerate(new):
-                if t in eos:
-                    new = new[: i + 1]
-                    break
-            seq[T:T + len(new)] = torch.as_tensor(new, device=device)
-            T += len(new)
-            out.extend(new)
-            token = new[-1]
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds = time.perf_counter() - t0
+            pending_hidden = [hidden] if aux else []
+            probs = logits_to_probs(logits[-1], sampling)
+            token = int(probs.argmax()) if sampling.greedy else int(sample(probs, generator))
+            prefill_seconds = time.perf_counter() - t0
+            seq = torch.empty(L + budget, dtype=torch.long, device=device)
+            seq[:L] = prompt
+            seq[L] = token
+            T = L + 1  # seq[:T] is the context; seq[T-1] is the pending token
+            out = [token]
+            while len(out) < budget and token not in eos:
+                k = min(num_draft_tokens, budget - len(out) - 1) if proposer is not None else 0
+                draft, q = seq[:0], None
+                if k > 0:
+                    ctx = DraftContext(seq[:T], torch.cat(pending_hidden) if aux else None)
+                    pending_hidden = []
+                    proposal = proposer.propose(ctx, k, sampling, generator)
+                    draft, q = proposal.tokens[:k].to(device), proposal.probs
+                kk = draft.shape[0]
+                logits, hidden = runner.forward(torch.cat([seq[T - 1:T], draft]), kk + 1, aux)
+                forwards += 1
+                if sampling.greedy:
+                    decision = greedy_verify(draft, logits)
+                else:
+                    decision = rejection_verify(draft, logits_to_probs(logits, sampling),
+                                                None if q is None else q[:kk], generator)
+                n, token, *drafted = torch.cat([decision, draft]).tolist()  # the round's one host sync
+                runner.rollback(runner.length - (kk - n))  # drop the rejected drafts' keys/values
+                if aux:
+                    pending_hidden.append(hidden[: n + 1])
+                if kk:
+                    drafts += 1
+                    draft_tokens += kk
+                    for i in range(n):
+                        accepted_at[i] += 1
+                new = drafted[:n] + [token]
+                for i, t in enumerate(new):
+                    if t in eos:
+                        new = new[: i + 1]
+                        break
+                seq[T:T + len(new)] = torch.as_tensor(new, device=device)
+                T += len(new)
+                out.extend(new)
+                token = new[-1]
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - t0
+        finally:
+            runner.close()
 
     accepted = sum(accepted_at)
     stats = {
@@ -184,5 +184,7 @@ def generate(model: torch.nn.Module, input_ids: Any, proposer: Proposer | None =
         "seconds": seconds,
         "prefill_seconds": prefill_seconds,
         "tokens_per_second": len(out) / seconds if seconds > 0 else float("inf"),
+        "engine": runner.kind + ("+compiled" if runner.compiled else ""),
+        "compile_seconds": runner.compile_seconds + float(getattr(proposer, "compile_seconds", 0.0)),
     }
     return GenerationOutput(out, stats)

@@ -10,13 +10,19 @@ already runs (no second verifier pass). Signatures never widen per drafter.
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from draftsmith.decoding.runner import CAPACITY_BUCKET, VerifierRunner
 from draftsmith.decoding.sampling import SamplingParams, logits_to_probs, sample
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.kv import KVCache
+
+if TYPE_CHECKING:
+    from draftsmith.models.eagle3 import Eagle3Draft
 
 
 @dataclass
@@ -56,9 +62,17 @@ class Proposer(abc.ABC):
     requires_hidden_states: ClassVar[bool] = False
     #: Indices into the verifier's ``hidden_states`` tuple (0 = embeddings, i = output of layer i-1).
     aux_layer_ids: tuple[int, ...] = ()
+    #: Seconds the last :meth:`prepare` spent compiling (reported apart from decoding time).
+    compile_seconds: float = 0.0
 
     def reset(self) -> None:
         """Forget all per-sequence state; called once at the start of ``generate``."""
+
+    def prepare(self, max_length: int, compile: bool = False) -> None:
+        """Get ready for a sequence of at most ``max_length`` positions (drafts included):
+        preallocate caches and, with ``compile``, compile the draft step. Called by
+        ``generate`` after :meth:`reset`, before its clock starts; a drafter that is not
+        prepared (e.g. behind a wrapper) must still work, growing its caches as needed."""
 
     def check_compatible(self, verifier: torch.nn.Module) -> None:
         """Raise :class:`DraftsmithError` if this drafter cannot serve ``verifier``."""
@@ -139,20 +153,29 @@ class NgramProposer(Proposer):
 class DraftModelProposer(Proposer):
     """A smaller causal LM sharing the verifier's tokenizer, with its own KV cache.
 
-    The cache is rolled back lazily: before drafting, it is cropped to the longest
-    prefix it shares with the current context, then the new context tokens are fed.
+    The cache is rolled back lazily: before drafting, it keeps the longest prefix it
+    shares with the current context, then the new context tokens are fed. It runs on
+    the same runner as the verifier (:func:`~draftsmith.decoding.runner.verifier_runner`):
+    lean forward and preallocated cache where the model allows.
     """
 
     def __init__(self, draft_model: torch.nn.Module) -> None:
         self.model = draft_model.eval()
+        self.runner: VerifierRunner | None = None
         self.reset()
 
     def reset(self) -> None:
-        from transformers import DynamicCache
-
-        self.cache = DynamicCache(config=self.model.config)
-        self.cache.activate_past_recording()  # sliding-window layers must keep what a rollback needs
+        if self.runner is not None:
+            self.runner.rollback(0)
         self.seen = torch.empty(0, dtype=torch.long)  # tokens whose keys/values are cached
+
+    def prepare(self, max_length: int, compile: bool = False) -> None:
+        from draftsmith.decoding.runner import verifier_runner
+
+        if self.runner is not None:
+            self.runner.close()
+        self.runner = verifier_runner(self.model, max_length, compile=compile, warmup_shapes=(1,), role="draft")
+        self.compile_seconds = self.runner.compile_seconds
 
     def check_compatible(self, verifier: torch.nn.Module) -> None:
         dv = self.model.get_output_embeddings().weight.shape[0]
@@ -162,20 +185,19 @@ class DraftModelProposer(Proposer):
                 f"draft model vocabulary ({dv}) differs from the verifier's ({vv}); "
                 "a draft model must share the verifier's tokenizer")
 
-    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=ids[None], cache=self.cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1]
-
     def propose(self, ctx: DraftContext, k: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
         tokens = ctx.tokens
+        if self.runner is None:  # not prepared: a cache that grows as needed
+            self.prepare(2 * (tokens.shape[0] + k))
+        runner = self.runner
         seen = self.seen.to(tokens.device)
         m = min(seen.shape[0], tokens.shape[0] - 1)  # always re-feed at least the pending token
         diff = (seen[:m] != tokens[:m]).nonzero()
         keep = int(diff[0]) if diff.numel() else m
-        if seen.shape[0] > keep:
-            self.cache.crop(-(seen.shape[0] - keep))
-        logits = self._forward(tokens[keep:])
+        runner.rollback(min(keep, runner.length))
+        runner.reserve(tokens.shape[0] + k)
+        logits = runner.forward(tokens[keep:], 1)[0][-1]
         drafted, probs = [], []
         for i in range(k):
             q = logits_to_probs(logits, sampling)
@@ -183,7 +205,146 @@ class DraftModelProposer(Proposer):
             drafted.append(tok)
             probs.append(q)
             if i + 1 < k:
-                logits = self._forward(tok.reshape(1))
+                logits = runner.forward(tok.reshape(1), 1)[0][-1]
         draft = torch.stack(drafted)
         self.seen = torch.cat([tokens, draft[:-1]])
         return Proposal(draft, None if sampling.greedy else torch.stack(probs))
+
+
+class Eagle3Proposer(Proposer):
+    """Drafts with an :class:`~draftsmith.models.eagle3.Eagle3Draft`, fed by the verifier's aux hidden states.
+
+    The verifier states arrive with each call (from the verification forward the
+    engine already ran); the draft keeps its own preallocated KV cache and rolls it
+    back to the verified prefix at the start of every round by moving its index.
+    """
+
+    requires_hidden_states = True
+
+    def __init__(self, draft: "Eagle3Draft") -> None:
+        self.draft = draft.eval()
+        self.aux_layer_ids = tuple(draft.config.aux_layer_ids)
+        self.cache: KVCache | None = None
+        self._compiled: Any = None  # the compiled draft step, kept across prompts
+        self._warm: set[tuple[int, bool]] = set()
+        self.reset()
+
+    def reset(self) -> None:
+        if self.cache is not None:
+            self.cache.length = 0
+
+    def prepare(self, max_length: int, compile: bool = False) -> None:
+        self.compile_seconds = 0.0
+        if compile and self._compiled is None:
+            mode = "reduce-overhead" if self.draft.fc.weight.device.type == "cuda" else None  # CUDA graphs
+            self._compiled = torch.compile(self._static_step, mode=mode)
+            self.cache = None  # a compiled step gets a bucketed, address-stable cache
+        elif not compile and self._compiled is not None:
+            self._compiled, self.cache = None, None
+        self._ensure(max_length)
+        self.cache.length = 0
+        if compile:
+            self._warmup()
+
+    def _ensure(self, capacity: int) -> None:
+        """Room for ``capacity`` positions: eager caches grow in place, compiled ones by bucket."""
+        if self._compiled is None:
+            if self.cache is None:
+                self.cache = self.draft.new_cache(capacity)
+            self.cache.reserve(capacity)
+        elif self.cache is None or self.cache.capacity < capacity:
+            # CAPACITY_BUCKET-sized: one cache shape, hence one graph, for requests of similar length
+            self.cache = self.draft.new_cache(-(-capacity // CAPACITY_BUCKET) * CAPACITY_BUCKET)
+            if self.cache.keys[0].device.type == "cuda":
+                self.cache.mark_static_addresses()
+
+    def _static_step(self, ids, hidden, pos, slots, cache):
+        return self.draft.step(ids, hidden, pos, cache, slots)
+
+    def _step(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor):
+        """draft.step at the cache's next slots, compiled when prepared so; advances the cache."""
+        cache, m = self.cache, ids.shape[1]
+        cache.check_room(m)
+        if self._compiled is None:
+            out = self.draft.step(ids, hidden, pos, cache)
+        else:
+            slots = torch.arange(cache.length, cache.length + m, device=ids.device)
+            if m > 1:  # one graph for every first-step length
+                for t, d in ((ids, 1), (hidden, 1), (pos, 1), (slots, 0)):
+                    torch._dynamo.mark_dynamic(t, d)
+            cuda = ids.device.type == "cuda"
+            cache.static = True
+            try:
+                if cuda:
+                    torch.compiler.cudagraph_mark_step_begin()
+                out = self._compiled(ids, hidden, pos, slots, cache)
+            finally:
+                cache.static = False
+            if cuda:  # a CUDA graph's outputs are overwritten by its next replay
+                out = tuple(t.clone() for t in out)
+        cache.advance(m)
+        return out
+
+    def _warmup(self) -> None:
+        t0 = time.perf_counter()
+        did = False
+        w = self.draft.fc.weight
+        H = self.draft.config.hidden_size
+        for m in (1, 2):
+            key = (self.cache.capacity, m == 1)
+            if key in self._warm:
+                continue
+            for _ in range(3 if w.device.type == "cuda" else 1):
+                self.cache.length = 0
+                ids = torch.zeros(1, m, dtype=torch.long, device=w.device)
+                self._step(ids, torch.zeros(1, m, H, dtype=w.dtype, device=w.device),
+                           torch.arange(1, m + 1, device=w.device)[None])
+            self._warm.add(key)
+            did = True
+        self.cache.length = 0
+        self.compile_seconds = time.perf_counter() - t0 if did else 0.0
+
+    def check_compatible(self, verifier: torch.nn.Module) -> None:
+        cfg = self.draft.config
+        vc = verifier.config.get_text_config() if hasattr(verifier.config, "get_text_config") else verifier.config
+        problems = []
+        if vc.hidden_size != cfg.verifier_hidden_size:
+            problems.append(f"hidden size {vc.hidden_size} != draft's {cfg.verifier_hidden_size}")
+        vocab = verifier.get_output_embeddings().weight.shape[0]
+        if vocab != cfg.vocab_size:
+            problems.append(f"vocabulary {vocab} != draft's {cfg.vocab_size}")
+        if max(cfg.aux_layer_ids) > vc.num_hidden_layers:
+            problems.append(f"aux layers {cfg.aux_layer_ids} exceed its {vc.num_hidden_layers} layers")
+        if problems:
+            raise DraftsmithError("EAGLE-3 draft does not fit this verifier: " + "; ".join(problems))
+
+    def _choose(self, logits: torch.Tensor, sampling: SamplingParams, generator):
+        """Draft logits [Vd] -> (verifier id, q over the verifier vocab or None)."""
+        if sampling.greedy:
+            i = logits.argmax(-1)
+            return i + self.draft.d2t[i], None
+        full = torch.full((self.draft.config.vocab_size,), float("-inf"), device=logits.device, dtype=torch.float32)
+        full[self.draft.draft_to_target] = logits.float()
+        q = logits_to_probs(full, sampling)  # the shared transform, on the verifier's vocabulary
+        return sample(q, generator), q
+
+    def propose(self, ctx: DraftContext, k: int, sampling: SamplingParams, generator) -> Proposal:
+        tokens, aux = ctx.tokens, ctx.hidden_states
+        T, m = tokens.shape[0], aux.shape[0]
+        start = T - 1 - m  # first position with a new verifier state
+        self._ensure(T + k)  # a no-op when prepared for this sequence
+        # drop last round's draft steps (and anything past the verified prefix)
+        self.cache.rollback(min(start, self.cache.length))
+        dtype = self.draft.fc.weight.dtype
+        g = self.draft.fuse(aux.to(dtype))[None]  # [1, m, H]
+        # position p pairs its state with the next token x_{p+1}, at rope position p+1
+        pos = torch.arange(start + 1, T, device=tokens.device)[None]
+        logits, h = self._step(tokens[T - m:][None], g, pos)
+        drafted, probs = [], []
+        for i in range(k):
+            tok, q = self._choose(logits[0, -1], sampling, generator)
+            drafted.append(tok)
+            probs.append(q)
+            if i + 1 < k:
+                logits, h = self._step(tok.reshape(1, 1), h[:, -1:], pos[:, -1:] + i + 1)
+        return Proposal(torch.stack(drafted), None if sampling.greedy else torch.stack(probs))

@@ -16,21 +16,27 @@ import torch
 from draftsmith.decoding.sampling import sample
 
 
-def greedy_accept(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
-    """Greedy verification.
+def greedy_verify(draft: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """Greedy verification, on the logits' device (no host sync).
 
     Args:
         draft: ``[k]`` drafted token ids.
         target_logits: ``[k+1, V]`` verifier logits at the k+1 scored positions.
 
     Returns:
-        ``(n, token)``: the number of accepted drafts (longest prefix equal to the
-        verifier's argmax) and the verifier's own token at position n+1.
+        ``[2]`` long tensor ``(n, token)``: the number of accepted drafts (longest prefix
+        equal to the verifier's argmax) and the verifier's own token at position n+1.
     """
     target = target_logits.argmax(-1)  # [k+1]
     k = draft.shape[0]
-    n = int((draft == target[:k]).int().cumprod(0).sum()) if k else 0
-    return n, int(target[n])
+    n = (draft == target[:k]).long().cumprod(0).sum() if k else target.new_zeros(())
+    return torch.stack([n, target[n]])
+
+
+def greedy_accept(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+    """:func:`greedy_verify` as Python ints ``(n, token)``."""
+    n, token = greedy_verify(draft, target_logits).tolist()
+    return n, token
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -41,9 +47,9 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 0, r / mass.clamp_min(torch.finfo(r.dtype).tiny), p)
 
 
-def rejection_sample(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
-                     generator: torch.Generator | None) -> tuple[int, int]:
-    """Speculative rejection sampling over one drafted chain.
+def rejection_verify(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
+                     generator: torch.Generator | None) -> torch.Tensor:
+    """Speculative rejection sampling over one drafted chain, on ``p``'s device (no host sync).
 
     Args:
         draft: ``[k]`` drafted token ids.
@@ -53,19 +59,27 @@ def rejection_sample(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor | Non
         generator: random source (seeded for reproducibility).
 
     Returns:
-        ``(n, token)``: accepted drafts and the next token (residual sample at the
-        first rejection, or the bonus token from ``p[k]`` when all were accepted).
+        ``[2]`` long tensor ``(n, token)``: accepted drafts and the next token (residual
+        sample at the first rejection, or the bonus token from ``p[k]`` when all were accepted).
     """
     k = draft.shape[0]
-    if k:
-        idx = draft.unsqueeze(-1)  # [k, 1]
-        p_d = p[:k].gather(-1, idx).squeeze(-1)  # [k]  p_i(d_i)
-        q_d = torch.ones_like(p_d) if q is None else q.gather(-1, idx).squeeze(-1)
-        u = torch.rand(k, generator=generator, device=p.device, dtype=p.dtype)
-        # u < p/q  <=>  u*q < p  (no division; q_d > 0 since d_i was drawn from q)
-        accept = u * q_d < p_d
-        n = int(accept.int().cumprod(0).sum())
-        if n < k:
-            q_n = (torch.zeros_like(p[n]).scatter_(-1, idx[n], 1.0) if q is None else q[n])
-            return n, int(sample(residual_distribution(p[n], q_n), generator))
-    return k, int(sample(p[k], generator))
+    if not k:
+        return torch.stack([torch.zeros((), dtype=torch.long, device=p.device), sample(p[0], generator)])
+    idx = draft.unsqueeze(-1)  # [k, 1]
+    p_d = p[:k].gather(-1, idx).squeeze(-1)  # [k]  p_i(d_i)
+    q_k = torch.zeros_like(p[:k]).scatter_(-1, idx, 1.0) if q is None else q[:k]  # [k, V]
+    q_d = q_k.gather(-1, idx).squeeze(-1)
+    u = torch.rand(k, generator=generator, device=p.device, dtype=p.dtype)
+    # u < p/q  <=>  u*q < p  (no division; q_d > 0 since d_i was drawn from q)
+    n = (u * q_d < p_d).long().cumprod(0).sum()  # accepted drafts, on the device
+    # Row i < k: the residual at a rejection at i; row k: the bonus distribution. Draw from row n:
+    # one sample either way, chosen without reading n on the host.
+    rows = torch.cat([residual_distribution(p[:k], q_k), p[k:k + 1]])  # [k+1, V]
+    return torch.stack([n, sample(rows.index_select(0, n.reshape(1))[0], generator)])
+
+
+def rejection_sample(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
+                     generator: torch.Generator | None) -> tuple[int, int]:
+    """:func:`rejection_verify` as Python ints ``(n, token)``."""
+    n, token = rejection_verify(draft, p, q, generator).tolist()
+    return n, token

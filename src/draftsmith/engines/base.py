@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -115,6 +116,19 @@ def http_text(url: str, timeout: float = 30.0) -> str:
         return resp.read().decode()
 
 
+def die_with_parent(argv: Sequence[str]) -> list[str]:
+    """``argv`` run under ``setpriv --pdeathsig TERM``: the kernel stops the server when we die.
+
+    Our own exit paths stop the server; this covers the ones that run no Python code: a
+    SIGKILL, or a SIGTERM in a program that does not turn it into an exception. Without
+    ``setpriv`` (util-linux, Linux only) the command runs as it is. The kernel sends the
+    signal when the *thread* that started the server ends: start servers from a thread
+    that outlives them (the main thread, as bench and the tests do).
+    """
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", *argv] if setpriv else list(argv)
+
+
 class ServerProcess:
     """A server started as its own process group, logged to a file, always stopped.
 
@@ -129,17 +143,19 @@ class ServerProcess:
         self.env = {**os.environ, **(env or {})}
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen[bytes] | None = None
+        self.pid: int | None = None  # kept after stop(), so callers can check that nothing outlived it
 
     def start(self) -> "ServerProcess":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         try:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+            self.proc = subprocess.Popen(die_with_parent(self.argv), stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as e:
             raise DraftsmithError(f"{self.name}: cannot start {self.argv[0]!r}: {e}") from e
         finally:
             log.close()
+        self.pid = self.proc.pid
         try:
             self._wait_ready()
         except BaseException:

@@ -29,9 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.decoding.proposers import DraftContext, Proposal, Proposer
-from draftsmith.decoding.sampling import SamplingParams, logits_to_probs, sample
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.kv import KVCache
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -352,97 +351,34 @@ class Eagle3Draft(nn.Module):
         return logits
 
     # ------------------------------------------------------------------ inference: cached steps
-    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-             cache: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    def new_cache(self, capacity: int) -> KVCache:
+        """An empty KV cache of the draft layer for ``capacity`` positions."""
+        a = self.layers[0].self_attn
+        return KVCache(1, a.nkv, a.hd, capacity, self.fc.weight.dtype, self.fc.weight.device)
+
+    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
+             slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One cached forward over m new positions.
 
         Args:
             input_ids: ``[1, m]`` fed tokens (verifier ids).
             hidden: ``[1, m, H]`` fused or draft-carried features.
             position_ids: ``[1, m]`` rope positions.
-            cache: ``[K, V]`` with K, V ``[1, nkv, S, hd]`` or None; extended in place.
+            cache: the draft's :class:`KVCache`; the m positions are written at ``slots``
+                and the caller then calls ``cache.advance(m)``.
+            slots: ``[m]`` cache slots (default: ``cache.length ..``; a compiled step passes them).
 
         Returns:
             draft logits ``[1, m, Vd]`` and the hidden to carry ``[1, m, H]``.
         """
-        layer = self.layers[0]
-        rep = layer.self_attn.nh // layer.self_attn.nkv
+        m = input_ids.shape[1]
+        if slots is None:
+            slots = torch.arange(cache.length, cache.length + m, device=input_ids.device)
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            if cache[0] is not None:
-                k, v = torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2)
-            cache[0], cache[1] = k, v
-            m, S = q.shape[2], k.shape[2]
-            mask = None
-            if m > 1:  # query i (absolute S-m+i) sees keys <= S-m+i
-                mask = torch.ones(m, S, dtype=torch.bool, device=q.device).tril(S - m)
-            out = F.scaled_dot_product_attention(q, _repeat_kv(k, rep), _repeat_kv(v, rep), attn_mask=mask,
-                                                 scale=self.scale)
+            out = cache.attend(0, q, k, v, slots, self.scale)  # GQA inside SDPA: no repeated K/V
             return out.transpose(1, 2).reshape(1, m, -1)
 
         e = self.embed_tokens(input_ids)
         cos, sin = self.rope(position_ids, e)
-        return self.head(layer(e, hidden, cos, sin, attend))
-
-
-class Eagle3Proposer(Proposer):
-    """Drafts with an :class:`Eagle3Draft`, fed by the verifier's aux hidden states.
-
-    The verifier states arrive with each call (from the verification forward the
-    engine already ran); the draft keeps its own KV cache and rolls it back to the
-    verified prefix at the start of every round.
-    """
-
-    requires_hidden_states = True
-
-    def __init__(self, draft: Eagle3Draft) -> None:
-        self.draft = draft.eval()
-        self.aux_layer_ids = tuple(draft.config.aux_layer_ids)
-        self.reset()
-
-    def reset(self) -> None:
-        self.cache: list[torch.Tensor | None] = [None, None]
-
-    def check_compatible(self, verifier: torch.nn.Module) -> None:
-        cfg = self.draft.config
-        vc = verifier.config.get_text_config() if hasattr(verifier.config, "get_text_config") else verifier.config
-        problems = []
-        if vc.hidden_size != cfg.verifier_hidden_size:
-            problems.append(f"hidden size {vc.hidden_size} != draft's {cfg.verifier_hidden_size}")
-        vocab = verifier.get_output_embeddings().weight.shape[0]
-        if vocab != cfg.vocab_size:
-            problems.append(f"vocabulary {vocab} != draft's {cfg.vocab_size}")
-        if max(cfg.aux_layer_ids) > vc.num_hidden_layers:
-            problems.append(f"aux layers {cfg.aux_layer_ids} exceed its {vc.num_hidden_layers} layers")
-        if problems:
-            raise DraftsmithError("EAGLE-3 draft does not fit this verifier: " + "; ".join(problems))
-
-    def _choose(self, logits: torch.Tensor, sampling: SamplingParams, generator):
-        """Draft logits [Vd] -> (verifier id, q over the verifier vocab or None)."""
-        if sampling.greedy:
-            i = logits.argmax(-1)
-            return i + self.draft.d2t[i], None
-        full = torch.full((self.draft.config.vocab_size,), float("-inf"), device=logits.device, dtype=torch.float32)
-        full[self.draft.draft_to_target] = logits.float()
-        q = logits_to_probs(full, sampling)  # the shared transform, on the verifier's vocabulary
-        return sample(q, generator), q
-
-    def propose(self, ctx: DraftContext, k: int, sampling: SamplingParams, generator) -> Proposal:
-        tokens, aux = ctx.tokens, ctx.hidden_states
-        T, m = tokens.shape[0], aux.shape[0]
-        start = T - 1 - m  # first position with a new verifier state
-        if self.cache[0] is not None:  # drop last round's draft steps (and anything past the verified prefix)
-            self.cache = [self.cache[0][:, :, :start], self.cache[1][:, :, :start]]
-        dtype = self.draft.fc.weight.dtype
-        g = self.draft.fuse(aux.to(dtype))[None]  # [1, m, H]
-        # position p pairs its state with the next token x_{p+1}, at rope position p+1
-        pos = torch.arange(start + 1, T, device=tokens.device)[None]
-        logits, h = self.draft.step(tokens[T - m:][None], g, pos, self.cache)
-        drafted, probs = [], []
-        for i in range(k):
-            tok, q = self._choose(logits[0, -1], sampling, generator)
-            drafted.append(tok)
-            probs.append(q)
-            if i + 1 < k:
-                logits, h = self.draft.step(tok.reshape(1, 1), h[:, -1:], pos[:, -1:] + i + 1, self.cache)
-        return Proposal(torch.stack(drafted), None if sampling.greedy else torch.stack(probs))
+        return self.head(self.layers[0](e, hidden, cos, sin, attend))

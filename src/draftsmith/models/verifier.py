@@ -96,7 +96,7 @@ def resolve_spec(spec: str | os.PathLike) -> Path:
         "not an existing .gguf file and not a local Hugging Face model directory")
 
 
-def _file_key(path: Path) -> str:
+def file_key(path: Path) -> str:
     """Content key of a (large) file: size plus hashes of its head and tail."""
     h = hashlib.sha256()
     size = path.stat().st_size
@@ -111,7 +111,7 @@ def _file_key(path: Path) -> str:
 
 def _gguf_to_hf_dir(gguf: Path) -> Path:
     """Dequantize a GGUF file once into a float32 HF directory under the cache; return it."""
-    target = cache_dir() / "gguf" / f"{gguf.stem}-{_file_key(gguf)}"
+    target = cache_dir() / "gguf" / f"{gguf.stem}-{file_key(gguf)}"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer

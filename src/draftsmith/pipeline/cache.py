@@ -41,6 +41,18 @@ class StepCache:
         self.root = Path(root)
         self.verbose = verbose
         self.timings: dict[str, dict[str, Any]] = {}
+        self.started = time.perf_counter()
+        #: predicted seconds per step and the whole budget (a budgeted run): printed beside each step
+        self.estimates: dict[str, float] = {}
+        self.budget_seconds: float | None = None
+
+    def _clock(self, name: str) -> str:
+        """Elapsed time of the run, and what the budget has left (when there is one)."""
+        elapsed = time.perf_counter() - self.started
+        text = f"elapsed {elapsed / 60:.1f} min"
+        if self.budget_seconds is not None:
+            text += f", {max(self.budget_seconds - elapsed, 0) / 60:.1f} min of the budget left"
+        return text
 
     def dir_for(self, name: str, inputs: dict[str, Any]) -> Path:
         return self.root / f"{name}-{digest(inputs)}"
@@ -62,14 +74,15 @@ class StepCache:
             return result
         work.mkdir(parents=True, exist_ok=True)
         atomic_write_json(work / "inputs.json", inputs)
+        est = f", predicted {self.estimates[name] / 60:.1f} min" if name in self.estimates else ""
         self._say(f"[{name}] running" + (" (resuming)" if any(p.name != "inputs.json" for p in work.iterdir())
-                                         else ""))
+                                         else "") + f" ({self._clock(name)}{est})")
         t0 = time.perf_counter()
         result = fn(work)
         seconds = time.perf_counter() - t0
         atomic_write_json(done, {"result": result, "seconds": seconds})
         self.timings[name] = {"cached": False, "seconds": seconds, "dir": str(work)}
-        self._say(f"[{name}] done in {seconds:.0f}s")
+        self._say(f"[{name}] done in {seconds:.0f}s ({self._clock(name)})")
         for stale in self.root.glob(f"{name}-*"):  # older inputs of the same step
             if stale != work and stale.is_dir():
                 shutil.rmtree(stale, ignore_errors=True)

@@ -6,6 +6,7 @@ key's dotted name before any expensive step starts.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,27 @@ from typing import Any, Literal
 
 from draftsmith.config import from_dict, load_yaml, opt
 from draftsmith.errors import DraftsmithError
+from draftsmith.utils import check_device_name, check_dtype_name
+from draftsmith.bench.run import BenchSettings as BenchSection
+from draftsmith.gate import GateSection
+from draftsmith.train.loop import TrainSettings as TrainSection
+
+
+#: the `small` preset (`make demo`) is a budget in minutes, sized on the machine it runs on
+SMALL_BUDGET = 20.0
+
+
+def check_training_source(dataset: str, key: str) -> None:
+    """A training prompt source: ``self``, a registry name that is not held out, or an existing path."""
+    from draftsmith.data.sources import DATASETS
+
+    if dataset == "self" or Path(dataset).expanduser().exists():
+        return
+    if dataset not in DATASETS:
+        raise DraftsmithError(f"{key}: {dataset!r} is neither a known dataset ({', '.join(sorted(DATASETS))}, self) "
+                              "nor an existing file or directory")
+    if DATASETS[dataset].held_out:
+        raise DraftsmithError(f"{key}: {dataset!r} is a held-out evaluation set; train on another source")
 
 
 @dataclass
@@ -40,59 +62,25 @@ class DataSection:
     dtype: str = opt("auto", "verifier dtype while regenerating and capturing: auto = bfloat16 on CUDA and on "
                              "CPUs with AMX, else float32")
     seed: int = opt(0, "split and sampling seed")
+    endpoint: str | None = opt(None, "regenerate through this OpenAI-compatible server (vLLM, llama-server, SGLang; "
+                                     "http://HOST:PORT) instead of in process, --batch-size requests in flight; it "
+                                     "must serve the verifier (two greedy probes are scored by the verifier before "
+                                     "any reply is kept); hidden states are still captured in process. The URL is "
+                                     "not part of the cache key: a restarted server resumes the same run")
 
     def __post_init__(self) -> None:
+        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
+            raise DraftsmithError(f"data.endpoint must be an http:// or https:// URL, got {self.endpoint!r}")
         for name in ("num_conversations", "max_new_tokens", "batch_size", "max_prompt_tokens", "max_length",
                      "capture_batch_size", "samples_per_shard"):
             if getattr(self, name) < 1:
                 raise DraftsmithError(f"data.{name} must be >= 1")
         if self.skip_conversations < 0:
             raise DraftsmithError("data.skip_conversations must be >= 0")
-
-
-@dataclass
-class TrainSection:
-    """Draft training (see `draftsmith train --help` for each field)."""
-
-    draft_vocab_size: int = opt(8192, "draft vocabulary size")
-    ttt_steps: int = opt(3, "training-time-test unroll length")
-    step_weight: float = opt(0.8, "loss weight decay per unroll step")
-    epochs: float = opt(6.0, "passes over the data")
-    lr: float = opt(1e-3, "peak learning rate")
-    pack_tokens: int = opt(1024, "positions per packed row")
-    grad_accum: int = opt(1, "rows per optimizer step")
-    val_fraction: float = opt(0.05, "held-out share for best-checkpoint selection")
-    eval_every: int = opt(50, "steps between validations")
-    checkpoint_every: int = opt(50, "steps between resumable checkpoints")
-    init_from: str | None = opt(None, "warm-start from this draft (refresh)")
-    precision: Literal["auto", "fp32", "bf16"] = opt("auto", "training precision")
-    seed: int = opt(0, "seed")
-
-
-@dataclass
-class BenchSection:
-    """Measurement of the trained draft against plain decoding."""
-
-    dataset: str = opt("mt-bench", "held-out eval prompts: mt-bench, humaneval or a JSONL file")
-    num_prompts: int = opt(10, "prompts measured")
-    max_new_tokens: int = opt(128, "new tokens per prompt")
-    num_draft_tokens: list[int] = opt(default_factory=lambda: [3, 5], help="k values measured")
-    repeats: int = opt(1, "timed passes")
-    hf_reference: bool = opt(True, "include HF generate / prompt-lookup rows")
-
-    def __post_init__(self) -> None:
-        if self.dataset == "self":  # checked here, not after hours of training
-            raise DraftsmithError("bench.dataset: 'self' writes training prompts; measure on held-out prompts "
-                                  "(mt-bench, humaneval or a JSONL file)")
-
-
-@dataclass
-class GateSection:
-    """When a draft is deployable."""
-
-    min_speedup: float = opt(1.2, "smallest measured median speedup over plain decoding that passes")
-    require_identical: bool = opt(True, "greedy outputs must equal plain decoding on every prompt")
-    not_worse_than_previous: bool = opt(True, "a previous draft of the same verifier must not be faster")
+        if self.temperature < 0 or self.seed < 0:
+            raise DraftsmithError(f"data.{'temperature' if self.temperature < 0 else 'seed'} must be >= 0")
+        check_dtype_name(self.dtype, "data.dtype")
+        check_training_source(self.dataset, "data.dataset")
 
 
 @dataclass
@@ -101,7 +89,11 @@ class PipelineConfig:
 
     verifier: str = opt("smollm2-135m", "verifier: HF dir, .gguf file or alias")
     out: str = opt("runs/demo", "output directory")
-    preset: Literal["small", "full", "tiny"] = opt("small", "budget preset the sections start from")
+    preset: Literal["small", "full", "tiny"] = opt("small", "preset the sections start from (small: a "
+                                                              f"{SMALL_BUDGET:g}-minute budget)")
+    budget: float | None = opt(None, "minutes the whole run may take on this machine: its first seconds measure "
+                                     "each step here, then the data size, training and bench are sized to fit "
+                                     "(the plan is printed and kept in OUT/plan.json)")
     num_draft_tokens: int | None = opt(None, "k written into the exported draft (default: the best measured k)")
     verifier_name: str | None = opt(None, "verifier name written for vLLM (default: --verifier)")
     previous_draft: str | None = opt(None, "draft to beat (default: OUT/draft when it exists)")
@@ -111,6 +103,17 @@ class PipelineConfig:
     train: TrainSection = field(default_factory=TrainSection)
     bench: BenchSection = field(default_factory=BenchSection)
     gate: GateSection = field(default_factory=GateSection)
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
+            raise DraftsmithError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        check_dtype_name(self.dtype, "dtype")
+        check_device_name(self.device, "device")
+        if self.gate.engine not in self.bench.engines:
+            raise DraftsmithError(f"gate.engine: {self.gate.engine!r} decides, but bench.engines "
+                                  f"{self.bench.engines} does not measure it")
+        if self.budget is not None and not (math.isfinite(self.budget) and self.budget > 0):
+            raise DraftsmithError(f"budget must be a positive number of minutes, got {self.budget}")
 
 
 # Budgets measured on this project's 2-core CPU machine (see BENCHMARKS.md).
@@ -124,7 +127,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     # batch 128 measured 3x slower per batch), 3 epochs (6 overfit: train acc 0.5-0.7 vs
     # validation 0.3), and a bench of 8 prompts at k = 3 against our plain loop (the break-even
     # analysis predicts the other k; `draftsmith bench` adds the HF reference rows).
-    "small": {"train": {"epochs": 3.0},
+    "small": {"train": {"epochs": 3.0, "draft_vocab_size": 8192, "eval_every": 50},
               "bench": {"num_prompts": 8, "num_draft_tokens": [3], "hf_reference": False}},
     # full: the best budget measured here. Its draft, 2 epochs over the uncut replies and then
     # 3 more over the loop-cut ones (~3450 steps, ~2.7 h on 2 cores), was still improving on
@@ -153,6 +156,8 @@ def build_config(yaml_path: str | None = None, overrides: dict[str, Any] | None 
         if not isinstance(section, dict):
             raise DraftsmithError(f"{name}: expected a mapping, got {type(section).__name__}")
         merged[name] = {**PRESETS[preset].get(name, {}), **section}
+    if preset == "small" and "budget" not in raw:
+        merged["budget"] = SMALL_BUDGET
     cfg = from_dict(PipelineConfig, merged)
     check_out_dir(Path(cfg.out))
     return cfg

@@ -41,7 +41,7 @@ STEP_FIELDS: dict[str, tuple[str, ...] | None] = {
     "capture": ("verifier", "device", "data"),
     "train": ("verifier", "dtype", "device", "num_draft_tokens", "verifier_name", "train"),
     "bench": ("verifier", "dtype", "device", "previous_draft", "bench"),
-    "gate": ("gate",),
+    "gate": ("gate", "bench"),  # bench: gate.engine must be one it measured
     "export": None,
 }
 
@@ -203,7 +203,7 @@ def _components(base_image: str, packages: list[str], install_kfp: bool) -> dict
 
         cfg = config_from_json(config_json)
         measured = json.loads((Path(report.path) / "summary.json").read_text())
-        result = steps.gate(measured["summary"], measured.get("previous"), cfg.gate)
+        result = steps.gate(*steps.gate_inputs(measured, cfg.gate.engine), cfg.gate)
         Path(reasons).write_text("; ".join(result["reasons"]))
         Path(verdict).write_text(json.dumps(result))
         log_metrics(metrics, {**result, "passed": float(result["passed"])})

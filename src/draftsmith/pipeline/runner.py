@@ -17,7 +17,7 @@ from typing import Any
 
 from draftsmith.config import opt, to_dict
 from draftsmith.errors import DraftsmithError, GateFailed
-from draftsmith.pipeline import steps
+from draftsmith.pipeline import budget, steps
 from draftsmith.pipeline.cache import StepCache, digest
 from draftsmith.pipeline.config import PipelineConfig, build_config
 from draftsmith.utils import atomic_write_json, command_line, environment_info
@@ -57,6 +57,13 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
     vd = steps.Verifier(cfg.verifier, steps.data_dtype(cfg.data.dtype, cfg.device), cfg.device)
     cache = StepCache(out / "steps")
     fp = v.fingerprint
+    plan = None
+    if cfg.budget is not None:
+        plan = budget.plan_for(cfg, v, vd, out, say=steps.say)
+        steps.say("[plan] " + plan.describe())
+        cfg = budget.apply_plan(cfg, plan)
+        cache.estimates = dict(plan.predicted_seconds)
+        cache.budget_seconds = plan.budget_minutes * 60
     k_export = steps.export_k(cfg)
     report: dict[str, Any] = {"mode": mode, "verifier": cfg.verifier, "verifier_fingerprint": fp,
                               "config": to_dict(cfg), "command": command_line(),
@@ -71,11 +78,10 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
         drift = b["summary"]
         report["before"] = drift
 
-    p = cache.run("prompts", steps.prompts_key(cfg.data, vd), lambda w: steps.prompts(cfg.data, w, vd))
-    r = cache.run("regenerate", {"fp": fp, "prompts": p["sha"], "data": steps.regeneration_key(cfg.data)},
-                  lambda w: steps.regenerate(vd, Path(p["path"]), cfg.data, w))
-    c = cache.run("capture", {"fp": fp, "regenerated": r["sha"], **steps.capture_key(cfg.data), "dtype": vd.dtype},
-                  lambda w: steps.capture(vd, Path(r["path"]), cfg.data, w))
+    p, r, c = steps.run_data_steps(cache, cfg.data, vd, fp)
+    if plan is not None:
+        cfg = budget.fit_training(cfg, plan, c.get("tokens") or 0, time.perf_counter() - t0, out)
+        cache.estimates["train"] = cfg.train.max_minutes * 60 / 1.15
     train_inputs = {"fp": fp, "shards": c["sha"], "train": to_dict(cfg.train), "k": k_export}
     if cfg.train.init_from:
         train_inputs["init"] = steps.file_digest(Path(cfg.train.init_from) / "model.safetensors")
@@ -89,7 +95,7 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
     bench_inputs = {"fp": fp, "candidate": t["sha"], "bench": to_dict(cfg.bench),
                     "previous": steps.file_digest(previous / "model.safetensors") if previous else None}
     b = cache.run("bench", bench_inputs, lambda w: steps.bench(v, drafts, cfg.bench, w))
-    verdict = steps.gate(b["summary"], b.get("previous"), cfg.gate)
+    verdict = steps.gate(*steps.gate_inputs(b, cfg.gate.engine), cfg.gate)
 
     metrics, provenance = steps.export_metadata(cfg, t, c.get("tokens"), b["summary"], verdict, mode=mode,
                                                 report=str(out / "report.json"))
@@ -116,6 +122,12 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
         "gate": verdict, "candidate_draft": str(candidate_dir),
         "deployed_draft": str(deployed) if verdict["passed"] else None,
     })
+    report["config"] = to_dict(cfg)  # as run: a budget's plan sets data, training and bench sizes
+    if plan is not None:
+        actual = {name: cache.timings.get(name, {}).get("seconds") for name in plan.predicted_seconds}
+        curve = budget.extrapolate(Path(cache.timings["train"]["dir"]) / "train" / "metrics.jsonl")
+        report["plan"] = {**dataclasses.asdict(plan), "actual_seconds": actual, "train_cut": t["summary"].get("cut"),
+                          "learning_curve": curve, "bigger_budget": budget.bigger_budget_line(curve, cfg.budget)}
     if drift is not None:
         report["after"] = b["summary"]
     atomic_write_json(out / "report.json", report)
@@ -140,6 +152,12 @@ def _finish(report: dict[str, Any], out: Path) -> int:
             print(f"refresh: acceptance length {b['acceptance_length']:.2f} -> {a['acceptance_length']:.2f}, "
                   f"speedup {b['speedup']:.2f}x -> {a['speedup']:.2f}x")
     print(verdict_line(report))
+    plan = report.get("plan")
+    if plan:
+        cut = plan.get("train_cut")
+        print(f"budget: {plan['budget_minutes']:g} min, this run {report['seconds'] / 60:.1f} min"
+              + (f"; training stopped at step {cut['step']} of {cut['planned_steps']} ({cut['reason']})" if cut else ""))
+        print(plan["bigger_budget"])
     if not report["gate"]["passed"]:
         raise GateFailed("; ".join(report["gate"]["reasons"]))
     return 0
@@ -161,10 +179,14 @@ class PipelineRunConfig:
     verifier: str | None = opt(None, "verifier (overrides the file; default smollm2-135m)")
     preset: str | None = opt(None, "budget preset: tiny, small (default), full")
     out: str | None = opt(None, "output directory (default runs/demo)")
+    budget: float | None = opt(None, "minutes the run may take on this machine (default: the small preset's "
+                                     "20); the first seconds measure this machine and size data, training and "
+                                     "bench to fit")
 
 
 def run_pipeline_cli(args: PipelineRunConfig) -> int:
-    cfg = build_config(args.config, {"verifier": args.verifier, "preset": args.preset, "out": args.out})
+    cfg = build_config(args.config, {"verifier": args.verifier, "preset": args.preset, "out": args.out,
+                                     "budget": args.budget})
     return _finish(run(cfg), Path(cfg.out))
 
 

@@ -17,8 +17,9 @@ import torch
 
 from draftsmith.config import to_dict
 from draftsmith.errors import DraftsmithError
+from draftsmith.gate import gate, summarize_drafter  # noqa: F401  (gate: the gate step of the table)
 from draftsmith.pipeline.cache import file_digest
-from draftsmith.pipeline.config import BenchSection, DataSection, GateSection, PipelineConfig, TrainSection
+from draftsmith.pipeline.config import BenchSection, DataSection, PipelineConfig, TrainSection
 
 
 def data_dtype(dtype: str, device: str) -> str:
@@ -65,6 +66,9 @@ def regeneration_key(data: DataSection) -> dict[str, Any]:
     so changing them re-runs the capture, not the regeneration)."""
     d = to_dict(data)
     d.pop("trim_loops", None)
+    # Where the replies come from, not the URL: a restarted server (another port) resumes the same run.
+    if d.pop("endpoint", None) is not None:
+        d["endpoint"] = True
     return d
 
 
@@ -79,6 +83,7 @@ def prompts_key(data: DataSection, v: "Verifier") -> dict[str, Any]:
     from draftsmith.data.selfprompts import SELF_DATASET
 
     key: dict[str, Any] = {"data": regeneration_key(data)}
+    key["data"].pop("endpoint", None)  # the prompts do not depend on who answers them
     if data.dataset == SELF_DATASET:
         key.update(fp=v.fingerprint, dtype=v.dtype)
     return key
@@ -124,9 +129,15 @@ def regenerate(v: Verifier, prompts_path: Path, data: DataSection, work: Path) -
     from draftsmith.data.sources import load_prompts
 
     convs = load_prompts(prompts_path, split="all", exclude_eval=False, dedupe=False)
-    path = _regenerate(v.model, v.tokenizer, convs, work / "regenerated.jsonl", max_new_tokens=data.max_new_tokens,
-                       temperature=data.temperature, batch_size=data.batch_size,
-                       max_prompt_tokens=data.max_prompt_tokens, seed=data.seed, fingerprint=v.fingerprint)
+    kwargs = dict(max_new_tokens=data.max_new_tokens, temperature=data.temperature, batch_size=data.batch_size,
+                  max_prompt_tokens=data.max_prompt_tokens, seed=data.seed, fingerprint=v.fingerprint)
+    if data.endpoint:
+        from draftsmith.data.endpoint import regenerate_via_endpoint
+
+        path = regenerate_via_endpoint(data.endpoint, v.model, v.tokenizer, convs, work / "regenerated.jsonl",
+                                       say=lambda m: say(f"[regenerate] {m}"), **kwargs)
+    else:
+        path = _regenerate(v.model, v.tokenizer, convs, work / "regenerated.jsonl", **kwargs)
     lines = sum(1 for _ in open(path))
     return {"path": str(path), "count": lines, "sha": file_digest(path)}
 
@@ -145,6 +156,27 @@ def capture(v: Verifier, regenerated: Path, data: DataSection, work: Path) -> di
     return {"dir": str(out), "sha": file_digest(out / "manifest.json"),
             "tokens": manifest.get("total_tokens"), "loss_tokens": manifest.get("total_loss_tokens"),
             "aux_layer_ids": manifest.get("aux_layer_ids")}
+
+
+def run_data_steps(cache: Any, data: DataSection, vd: Verifier, fp: str) -> tuple[dict, dict, dict]:
+    """prompts -> regenerate -> capture through ``cache`` (a :class:`StepCache`); the one wiring of the
+    data steps, shared by `draftsmith pipeline run` and `draftsmith data`.
+
+    Args:
+        cache: the run's step cache.
+        data: the data settings.
+        vd: the verifier in the data dtype (it answers and is captured).
+        fp: the verifier's fingerprint (the cache keys' identity of the model).
+
+    Returns:
+        The three steps' results.
+    """
+    p = cache.run("prompts", prompts_key(data, vd), lambda w: prompts(data, w, vd))
+    r = cache.run("regenerate", {"fp": fp, "prompts": p["sha"], "data": regeneration_key(data)},
+                  lambda w: regenerate(vd, Path(p["path"]), data, w))
+    c = cache.run("capture", {"fp": fp, "regenerated": r["sha"], **capture_key(data), "dtype": vd.dtype},
+                  lambda w: capture(vd, Path(r["path"]), data, w))
+    return p, r, c
 
 
 def train(v: Verifier, shards: Path, section: TrainSection, work: Path, num_draft_tokens: int = 5,
@@ -169,62 +201,29 @@ def train(v: Verifier, shards: Path, section: TrainSection, work: Path, num_draf
 def bench(v: Verifier, drafts: dict[str, Path], section: BenchSection, work: Path,
           progress: bool = True) -> dict[str, Any]:
     """Measure the drafts (label -> dir) against plain decoding on held-out prompts."""
-    from draftsmith.bench import BenchConfig, benchmark
+    from draftsmith.bench import BenchConfig, BenchSettings, benchmark
     from draftsmith.data.sources import eval_set
     from draftsmith.drafters import load_draft
     from draftsmith.utils import command_line
 
-    cfg = BenchConfig(verifier=v.spec, out=work, draft=[str(d) for d in drafts.values()],
-                      dataset=section.dataset, num_prompts=section.num_prompts,
-                      max_new_tokens=section.max_new_tokens, num_draft_tokens=list(section.num_draft_tokens),
-                      repeats=section.repeats, hf_reference=section.hf_reference, progress=progress)
+    cfg = BenchConfig(verifier=v.spec, out=work, draft=[str(d) for d in drafts.values()], progress=progress,
+                      **{f.name: getattr(section, f.name) for f in dataclasses.fields(BenchSettings)})
     prompt_list = eval_set(section.dataset, v.tokenizer, limit=section.num_prompts)
     proposers = {label: load_draft(d, v.model) for label, d in drafts.items()}
     report = benchmark(v.model, prompt_list, proposers, cfg, work,
                        {"verifier": v.spec, "fingerprint": v.fingerprint, "command": command_line(),
-                        "dataset": section.dataset, "drafts": {k: str(p) for k, p in drafts.items()}})
+                        "dataset": section.dataset, "drafts": {k: str(p) for k, p in drafts.items()}}, drafts)
     return {"report": str(work / "report.json"), "summary": summarize_drafter(report, "candidate"),
-            "previous": summarize_drafter(report, "previous") if "previous" in drafts else None}
+            "previous": summarize_drafter(report, "previous") if "previous" in drafts else None,
+            "by_engine": {e: {"summary": summarize_drafter(report, "candidate", e),
+                              "previous": summarize_drafter(report, "previous", e) if "previous" in drafts else None}
+                          for e in section.engines}}
 
 
-def summarize_drafter(report: dict[str, Any], label: str) -> dict[str, Any] | None:
-    """The drafter's best measured row: k, median speedup (and CI), acceptance, identical rate."""
-    rows = [r for r in report.get("rows", []) if r.get("drafter") == label and r["speedup"]["median"] is not None]
-    if not rows:
-        return None
-    best = max(rows, key=lambda r: r["speedup"]["median"])
-    hf = [r for r in report["rows"] if r["kind"] == "hf" and r["speedup"]["median"]]
-    be = report.get("break_even", {}).get(label, {})
-    return {"k": best["k"], "speedup": best["speedup"]["median"], "speedup_ci95": best["speedup"]["ci95"],
-            "acceptance_length": best["acceptance"]["acceptance_length"],
-            "per_position_acceptance": best["acceptance"]["per_position_acceptance"],
-            "identical_output_rate": best["identical_output_rate"],
-            "tokens_per_second": best["tokens_per_second"]["median"],
-            "predicted_speedup": be.get("measured", {}).get(str(best["k"]), {}).get("predicted"),
-            "held_back_by": be.get("held_back_by"), "recommended_k": be.get("best_k"),
-            "vs_hf": {r["name"]: best["tokens_per_second"]["median"] / r["tokens_per_second"]["median"]
-                      for r in hf if r["tokens_per_second"]["median"]}}
-
-
-def gate(candidate: dict[str, Any] | None, previous: dict[str, Any] | None, section: GateSection) -> dict[str, Any]:
-    """The deploy verdict: measured speedup, identical outputs, not worse than the previous draft."""
-    reasons: list[str] = []
-    if candidate is None:
-        return {"passed": False, "speedup": None, "acceptance_length": None,
-                "reasons": ["the draft was not measured (bench produced no row for it)"]}
-    s, al, same = candidate["speedup"], candidate["acceptance_length"], candidate["identical_output_rate"]
-    if s < section.min_speedup:
-        pct = round(100 * (1 - s))
-        slower = f" (it makes decoding {pct}% slower)" if pct > 0 else ""
-        reasons.append(f"measured speedup {s:.2f}x is below the gate's {section.min_speedup:.2f}x{slower}")
-    if section.require_identical and same is not None and same < 1.0:
-        reasons.append(f"greedy outputs differ from plain decoding on {100 * (1 - same):.0f}% of prompts")
-    if section.not_worse_than_previous and previous is not None and previous["speedup"] > s:
-        reasons.append(f"the previous draft is faster on this verifier ({previous['speedup']:.2f}x vs {s:.2f}x)")
-    passed = not reasons
-    if passed:
-        reasons.append(f"measured speedup {s:.2f}x >= {section.min_speedup:.2f}x with identical greedy outputs")
-    return {"passed": passed, "speedup": s, "acceptance_length": al, "k": candidate["k"], "reasons": reasons}
+def gate_inputs(b: dict[str, Any], engine: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The candidate's and the previous draft's summaries as ``engine`` measured them."""
+    mine = (b.get("by_engine") or {}).get(engine) or {"summary": b["summary"], "previous": b.get("previous")}
+    return mine["summary"], mine["previous"]
 
 
 def export_k(cfg: PipelineConfig) -> int:
@@ -241,7 +240,7 @@ def export_metadata(cfg: PipelineConfig, trained: dict[str, Any], tokens: int | 
         cfg: the pipeline configuration.
         trained: :func:`train`'s result (``steps``, ``best_val_acceptance_length``, ``train_seconds``).
         tokens: captured training tokens.
-        bench_summary: :func:`summarize_drafter` of the candidate.
+        bench_summary: :func:`draftsmith.gate.summarize_drafter` of the candidate.
         verdict: :func:`gate`'s verdict.
         mode: what ran the pipeline ("pipeline", "refresh", "kubeflow").
         report: where the pipeline's report is.

@@ -32,14 +32,9 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class TrainConfig:
-    """Train an EAGLE-3 draft on hidden states captured from the verifier."""
+class TrainSettings:
+    """How to train an EAGLE-3 draft: the pipeline's ``train`` section and `draftsmith train`'s options."""
 
-    verifier: str = opt(help="verifier the data was captured from: HF dir, .gguf file, or alias")
-    data: list[str] | None = opt(None, "directory of captured shards (from `draftsmith data`); several are "
-                                 "trained on together, e.g. an earlier capture plus fresh replies "
-                                 "(`draftsmith data --skip-conversations N`)")
-    out: str = opt("runs/draft", "output directory: checkpoints, metrics.jsonl, the draft")
     draft_vocab_size: int = opt(32000, "draft vocabulary size (capped at the verifier's)")
     draft_intermediate_size: int | None = opt(None, "MLP width of the draft's decoder layer (default: the "
                                               "verifier's intermediate size)")
@@ -47,6 +42,8 @@ class TrainConfig:
     step_weight: float = opt(0.8, "loss weight of unroll step j is step_weight**j")
     epochs: float = opt(1.0, "passes over the training rows")
     max_steps: int | None = opt(None, "stop after this many optimizer steps")
+    max_minutes: float | None = opt(None, "stop after this many minutes of training (a checkpoint and the best "
+                                          "draft so far are kept; the result says the run was cut)")
     lr: float = opt(1e-3, "peak learning rate (AdamW)")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     warmup_ratio: float = opt(0.05, "fraction of steps spent warming up linearly")
@@ -63,34 +60,56 @@ class TrainConfig:
     extend_vocab: bool = opt(False, "with --init-from: grow the draft's vocabulary to --draft-vocab-size, adding "
                              "the tokens of this data it lacks, most frequent first (their lm_head rows start "
                              "as the verifier's)")
-    vocab_data: list[str] | None = opt(None, "capture directories whose reply tokens choose the draft vocabulary "
-                                       "(default: the training samples of --data), e.g. every capture so far "
-                                       "while training on the latest ones")
     train_lm_head: bool = opt(False, "also train the draft's lm_head (it starts as the verifier's rows and is "
                               "frozen by default)")
-    num_draft_tokens: int = opt(5, "speculative tokens written into the exported config")
     precision: Literal["auto", "fp32", "bf16"] = opt("auto", "bf16 autocast on CUDA / AMX CPUs, else fp32")
     seed: int = opt(0, "seed for initialisation and data order")
-    device: str = opt("auto", "auto, cpu, cuda, cuda:N")
 
     def __post_init__(self) -> None:
-        if isinstance(self.data, (str, Path)):  # one directory, as the pipeline and older callers pass it
-            self.data = [str(self.data)]
-        if isinstance(self.vocab_data, (str, Path)):
-            self.vocab_data = [str(self.vocab_data)]
         if not 1 <= self.ttt_steps <= 7:
             raise DraftsmithError(f"--ttt-steps must be in 1..7, got {self.ttt_steps}")
         checks = {"--lr": self.lr > 0, "--epochs": self.epochs > 0, "--pack-tokens": self.pack_tokens >= 8,
                   "--grad-accum": self.grad_accum >= 1, "--draft-vocab-size": self.draft_vocab_size >= 1,
                   "--val-fraction": 0 <= self.val_fraction < 1, "--eval-every": self.eval_every >= 1,
                   "--checkpoint-every": self.checkpoint_every >= 1, "--step-weight": self.step_weight > 0,
-                  "--eval-steps": self.eval_steps >= 1}
+                  "--eval-steps": self.eval_steps >= 1, "--weight-decay": self.weight_decay >= 0, "--seed": self.seed >= 0,
+                  "--warmup-ratio": 0 <= self.warmup_ratio < 1, "--min-lr-ratio": 0 <= self.min_lr_ratio <= 1,
+                  "--grad-clip": self.grad_clip > 0,
+                  "--max-steps": self.max_steps is None or self.max_steps >= 1,
+                  "--max-minutes": self.max_minutes is None or self.max_minutes > 0,
+                  "--draft-intermediate-size": self.draft_intermediate_size is None
+                  or self.draft_intermediate_size >= 1}
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
             raise DraftsmithError(f"invalid value for {', '.join(bad)}")
         if self.extend_vocab and not self.init_from:
             raise DraftsmithError("--extend-vocab grows a warm-started draft's vocabulary: it needs --init-from "
                                   "(a fresh draft takes --draft-vocab-size as it is)")
+
+
+@dataclass(kw_only=True)
+class TrainConfig(TrainSettings):
+    """Train an EAGLE-3 draft on hidden states captured from the verifier."""
+
+    verifier: str = opt(help="verifier the data was captured from: HF dir, .gguf file, or alias")
+    data: list[str] | None = opt(None, "directory of captured shards (from `draftsmith data`); several are "
+                                 "trained on together, e.g. an earlier capture plus fresh replies "
+                                 "(`draftsmith data --skip-conversations N`)")
+    out: str = opt("runs/draft", "output directory: checkpoints, metrics.jsonl, the draft")
+    vocab_data: list[str] | None = opt(None, "capture directories whose reply tokens choose the draft vocabulary "
+                                       "(default: the training samples of --data), e.g. every capture so far "
+                                       "while training on the latest ones")
+    num_draft_tokens: int = opt(5, "speculative tokens written into the exported config")
+    device: str = opt("auto", "auto, cpu, cuda, cuda:N")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data, (str, Path)):  # one directory, as the pipeline passes it
+            self.data = [str(self.data)]
+        if isinstance(self.vocab_data, (str, Path)):
+            self.vocab_data = [str(self.vocab_data)]
+        super().__post_init__()
+        if self.num_draft_tokens < 1:
+            raise DraftsmithError(f"--num-draft-tokens must be >= 1, got {self.num_draft_tokens}")
 
 
 # Fields that change the result; the rest (logging cadence, device) may differ on resume.
@@ -325,7 +344,7 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
     dist = _Dist(cfg.device)
     out = Path(cfg.out)
     if verifier is None:
-        verifier, _, fingerprint = load_verifier(cfg.verifier, dtype="float32", device="cpu")
+        verifier, _, fingerprint = load_verifier(cfg.verifier, dtype="auto", device=dist.device)
     if samples is None:
         if not cfg.data:
             raise DraftsmithError("--data is required (a directory of captured shards)")
@@ -375,7 +394,7 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
     draft.lm_head.weight.requires_grad_(cfg.train_lm_head)
     draft.config.num_draft_tokens = cfg.num_draft_tokens
     draft.config.verifier_name = draft.config.verifier_name or cfg.verifier
-    from draftsmith.models.eagle3 import Eagle3Proposer
+    from draftsmith.decoding.proposers import Eagle3Proposer
 
     Eagle3Proposer(draft).check_compatible(verifier)
     rows_w, softcap = _target_head(verifier, draft)
@@ -485,8 +504,9 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
     mean_ctx = cfg.pack_tokens / 4
     flops_tok = train_flops_per_token(draft.config, cfg.ttt_steps, mean_ctx, cfg.train_lm_head)
     last_metrics: dict[str, Any] = {}
+    cut: dict[str, Any] | None = None  # set when --max-minutes stops the run before total_steps
     try:
-        while step < total_steps:
+        while step < total_steps and cut is None:
             epoch, in_epoch = divmod(step, steps_per_epoch)
             g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
             order = [train_idx[i] for i in torch.randperm(len(train_idx), generator=g).tolist()]
@@ -546,6 +566,18 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
                                     tok_s=f"{rec['tokens_per_s']:.0f}",
                                     **({"val_al": f"{rec['val_acceptance_length']:.2f}"}
                                        if "val_acceptance_length" in rec else {}))
+                if cfg.max_minutes is not None and step < total_steps and dist.all_sum(
+                        [float(time.perf_counter() - t_start > 60 * cfg.max_minutes)])[0] > 0:
+                    cut = {"reason": f"--max-minutes {cfg.max_minutes:g} reached", "step": step,
+                           "planned_steps": total_steps}
+                    if "val_acceptance_length" not in rec and val_rows:  # the best draft so far, measured now
+                        rec.update(evaluate())
+                        if rec["val_acceptance_length"] > best:
+                            best = rec["val_acceptance_length"]
+                            save_best(rec)
+                        last_metrics.update(rec)
+                    save_checkpoint()
+                    break
                 if step % cfg.checkpoint_every == 0 or step == total_steps:
                     save_checkpoint()
     except KeyboardInterrupt:
@@ -560,7 +592,8 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
     dist.barrier()
     seconds = time.perf_counter() - t_start
     summary = {**last_metrics, "train_seconds": seconds, "tokens_seen": tokens_seen,
-               "vocab_coverage": vocab_cov, "best_val_acceptance_length": best}
+               "vocab_coverage": vocab_cov, "best_val_acceptance_length": best, "total_steps": total_steps,
+               "cut": cut}
     if dist.main:
         atomic_write_json(out / "train_summary.json", summary)
     return TrainResult(out / "draft", best, step, seconds, summary, draft)

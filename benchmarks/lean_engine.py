@@ -1,0 +1,444 @@
+"""Lean engine benchmark (issue 20): the engine's own costs, side by side in one run.
+
+Measurable with any draft, even an untrained one. Four sections, each interleaving
+what it compares (the order rotates), on one verifier (SmolLM2-135M float32 by default):
+
+1. ``plain``: our plain loop against ``transformers.generate`` on MT-Bench first
+   turns (greedy), and against our loop on the transformers forward with a
+   ``DynamicCache`` (``engine="hf-dynamic"``: the engine before issue 20), plus the
+   compiled lean loop with ``--compile``. Per-prompt paired ratios; identical outputs.
+   Target: ours / generate >= 1.25, every output identical.
+2. ``context``: a one-token verifier step at C cached tokens for C in ``--contexts``,
+   lean vs hf-dynamic (the curve). Target: lean step at 1024 within 10% of the one at 128.
+3. ``draft``: one cached EAGLE-3 draft step (random weights; draft vocab ``--draft-vocab``)
+   against a verifier one-token step at the same context. Target: <= 5%.
+4. ``rss``: peak RSS of a child process that decodes to ``--rss-context`` tokens of
+   context, plainly and with an EAGLE-3 draft, lean vs hf-dynamic (and, with
+   ``--baseline-src``, an older checkout's engine). Target: lean <= 1.10x the old engine.
+
+Timings on a shared machine are noise-bound; compare ratios within one run only.
+
+Usage (SmolLM2, CPU, float32)::
+
+    PYTHONPATH=src python benchmarks/lean_engine.py --threads 2 --out benchmarks/results/lean-engine.json
+
+On a GPU (bfloat16, a random 1B-shaped Llama, compiled vs eager)::
+
+    PYTHONPATH=src python benchmarks/lean_engine.py --verifier random-1b --device cuda --dtype bfloat16 \\
+        --compile --out benchmarks/results/lean-engine-cuda.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+RANDOM_SHAPES = {  # a random Llama, for hosts without the packaged verifier or for GPU-sized runs
+    "random-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256),
+    "random-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=512),
+}
+
+
+def load(args: argparse.Namespace):
+    """(model, tokenizer or None, label)."""
+    if args.verifier in RANDOM_SHAPES:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        cfg = LlamaConfig(**RANDOM_SHAPES[args.verifier], max_position_embeddings=8192, tie_word_embeddings=False,
+                          bos_token_id=0, eos_token_id=1, pad_token_id=1)
+        dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+        device = "cuda" if args.device in ("cuda", "auto") and torch.cuda.is_available() else args.device
+        device = "cpu" if device == "auto" else device
+        return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval(), None, args.verifier
+    from draftsmith.models.verifier import load_verifier
+
+    model, tok, fp = load_verifier(args.verifier, dtype=args.dtype, device=args.device)
+    return model, tok, f"{args.verifier} ({fp})"
+
+
+def prompts(args: argparse.Namespace, model, tok) -> list[list[int]]:
+    if tok is None:
+        g = torch.Generator().manual_seed(0)
+        return [torch.randint(2, model.config.vocab_size, (int(n),), generator=g).tolist()
+                for n in torch.randint(32, 160, (args.num_prompts,), generator=g)]
+    from draftsmith.data.sources import eval_set
+
+    return [ids for _, ids in eval_set("mt-bench", tok, limit=args.num_prompts)]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def eagle3_draft(model, vocab: int):
+    from draftsmith.models.eagle3 import Eagle3Config, Eagle3Draft
+
+    torch.manual_seed(1)
+    cfg = Eagle3Config.from_verifier(model.config, draft_vocab_size=vocab)
+    w = next(model.parameters())
+    draft = Eagle3Draft(cfg).to(device=w.device, dtype=w.dtype).eval()
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
+    return draft
+
+
+# ----------------------------------------------------------------------------------------- 1. plain loop
+def section_plain(args, model, tok, out: dict) -> None:
+    from draftsmith import generate
+    from draftsmith.bench import bootstrap_ci, paired_ratios, summarize
+
+    device = next(model.parameters()).device
+    gen_cfg = model.generation_config
+    eos = gen_cfg.eos_token_id
+    pad = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else (
+        eos if isinstance(eos, int) else (eos[0] if eos else 0))
+    n = args.max_new_tokens
+
+    def hf(ids: list[int]) -> list[int]:
+        x = torch.tensor([ids], device=device)
+        with torch.inference_mode():
+            seq = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                                 temperature=None, top_k=None, top_p=None, pad_token_id=pad)
+        return seq[0, len(ids):].tolist()
+
+    def ours(engine: str, compile: bool = False) -> Callable[[list[int]], list[int]]:
+        def run(ids: list[int]) -> list[int]:
+            o = generate(model, ids, max_new_tokens=n, engine=engine, compile=compile)
+            compile_s.setdefault(engine + ("+compiled" if compile else ""), []).append(o.stats["compile_seconds"])
+            return o.token_ids
+        return run
+
+    compile_s: dict[str, list[float]] = {}
+    rows: dict[str, Callable[[list[int]], list[int]]] = {
+        "hf-generate": hf, "ours-lean": ours("auto"), "ours-hf-dynamic": ours("hf-dynamic")}
+    if args.compile:
+        rows["ours-lean-compiled"] = ours("auto", compile=True)
+    ps = prompts(args, model, tok)
+    names = list(rows)
+    for name in names:  # warm-up (and compile) on the first prompt, untimed
+        rows[name](ps[0])
+    tps: dict[str, list[list[float]]] = {k: [[] for _ in ps] for k in names}
+    toks: dict[str, list[list[int]]] = {k: [[] for _ in ps] for k in names}
+    for rep in range(args.repeats):
+        for p, ids in enumerate(ps):
+            shift = (p + rep) % len(names)
+            for name in names[shift:] + names[:shift]:
+                sync(device)
+                t0 = time.perf_counter()
+                got = rows[name](ids)
+                sync(device)
+                tps[name][p].append(len(got) / (time.perf_counter() - t0))
+                toks[name][p] = got
+            print(f"  plain: rep {rep + 1}/{args.repeats} prompt {p + 1}/{len(ps)}", file=sys.stderr, flush=True)
+    med = {k: [statistics.median(v) for v in tps[k]] for k in names}
+    ratios = {}
+    for num, den in [("ours-lean", "hf-generate"), ("ours-lean", "ours-hf-dynamic"),
+                     ("ours-hf-dynamic", "hf-generate"), ("ours-lean-compiled", "ours-lean"),
+                     ("ours-lean-compiled", "hf-generate")]:
+        if num in med:
+            r = paired_ratios(med[num], med[den])
+            ratios[f"{num} / {den}"] = {"median": float(np.median(r)), "ci95": list(bootstrap_ci(r)),
+                                        "min": min(r), "max": max(r), "per_prompt": r}
+    out["plain"] = {
+        "prompts": len(ps), "max_new_tokens": n, "repeats": args.repeats,
+        "tokens_per_second": {k: summarize(v) for k, v in med.items()},
+        "ratios": ratios,
+        "identical_to_hf_generate": {k: sum(a == b for a, b in zip(toks[k], toks["hf-generate"])) for k in names},
+        "compile_seconds": compile_s,
+        "target_ours_over_generate_1.25": ratios["ours-lean / hf-generate"]["median"] >= 1.25,
+    }
+
+
+# ----------------------------------------------------------------------------------------- 2. context curve
+def section_context(args, model, out: dict) -> None:
+    from draftsmith.decoding.runner import verifier_runner
+
+    device = next(model.parameters()).device
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    paths = ["lean", "hf-dynamic"] + (["lean-compiled"] if args.compile else [])
+    times: dict[tuple[str, int], list[float]] = {}
+    with torch.inference_mode():
+        runners = {}
+        for C in args.contexts:
+            ctx = torch.randint(2, V, (C,), generator=g).to(device)
+            for p in paths:
+                compiled = p == "lean-compiled"
+                r = verifier_runner(model, C + 8, compile=compiled, mode="auto" if p.startswith("lean") else p,
+                                    warmup_shapes=(1,), role=f"context-{C}")
+                r.forward(ctx, 1)
+                runners[(p, C)] = r
+                times[(p, C)] = []
+        tok = torch.randint(2, V, (1,), generator=g).to(device)
+        keys = list(runners)
+        for rep in range(args.step_repeats + 2):  # 2 warm-up passes
+            shift = rep % len(keys)
+            for key in keys[shift:] + keys[:shift]:
+                r = runners[key]
+                sync(device)
+                t0 = time.perf_counter()
+                r.forward(tok, 1)
+                sync(device)
+                if rep >= 2:
+                    times[key].append(time.perf_counter() - t0)
+                r.rollback(key[1])
+    med = {f"{p}@{C}": 1e3 * statistics.median(v) for (p, C), v in times.items()}
+    curve = {p: {C: med[f"{p}@{C}"] for C in args.contexts} for p in paths}
+    ratio = {p: (curve[p][1024] / curve[p][128] if 1024 in curve[p] and 128 in curve[p] else None) for p in paths}
+    out["context"] = {"median_ms": curve, "step_1024_over_128": ratio, "repeats": args.step_repeats,
+                      "target_within_10pct": ratio.get("lean") is not None and ratio["lean"] <= 1.10}
+
+
+# ----------------------------------------------------------------------------------------- 3. draft step
+def old_draft_step(draft, input_ids, hidden, position_ids, cache: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft step before issue 20, for reference: the cache grows by concatenation and
+    its KV heads are repeated for every step."""
+    import torch.nn.functional as F
+
+    layer = draft.layers[0]
+    rep = layer.self_attn.nh // layer.self_attn.nkv
+
+    def attend(q, k, v):
+        if cache[0] is not None:
+            k, v = torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2)
+        cache[0], cache[1] = k, v
+        m, S = q.shape[2], k.shape[2]
+        mask = torch.ones(m, S, dtype=torch.bool, device=q.device).tril(S - m) if m > 1 else None
+        out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                             attn_mask=mask, scale=draft.scale)
+        return out.transpose(1, 2).reshape(1, m, -1)
+
+    e = draft.embed_tokens(input_ids)
+    cos, sin = draft.rope(position_ids, e)
+    return draft.head(layer(e, hidden, cos, sin, attend))
+
+
+def section_draft(args, model, out: dict) -> None:
+    from draftsmith.decoding.proposers import Eagle3Proposer
+    from draftsmith.decoding.runner import verifier_runner
+    from draftsmith.decoding.sampling import SamplingParams
+
+    device = next(model.parameters()).device
+    V, C = model.config.vocab_size, args.draft_context
+    g = torch.Generator().manual_seed(0)
+    greedy = SamplingParams()
+    res: dict[str, Any] = {"context": C, "repeats": args.step_repeats}
+    with torch.inference_mode():
+        verifier = verifier_runner(model, C + 8)
+        ctx = torch.randint(2, V, (C,), generator=g).to(device)
+        verifier.forward(ctx, 1)
+        tok = torch.randint(2, V, (1,), generator=g).to(device)
+        proposers = {}
+        for vd in args.draft_vocab:
+            prop = Eagle3Proposer(eagle3_draft(model, min(vd, V)))
+            prop.reset()
+            prop.prepare(C + 8, compile=False)
+            H = prop.draft.config.hidden_size
+            w = prop.draft.fc.weight
+            prop._step(ctx[None], torch.randn(1, C, H, generator=g).to(device=device, dtype=w.dtype),
+                       torch.arange(1, C + 1, device=device)[None])
+            proposers[vd] = (prop, torch.randn(1, 1, H, generator=g).to(device=device, dtype=w.dtype))
+        # the old step on the first vocabulary's draft, from the same cached context
+        old_vd = args.draft_vocab[0]
+        old_prop, old_h = proposers[old_vd]
+        old_cache: list = [None, None]
+        old_draft_step(old_prop.draft, ctx[None], torch.randn(1, C, old_h.shape[-1], generator=g).to(old_h),
+                       torch.arange(1, C + 1, device=device)[None], old_cache)
+        times: dict[str, list[float]] = {"verifier": [], **{f"draft-{vd}": [] for vd in proposers},
+                                         f"draft-{old_vd}-before-issue-20": []}
+        pos = torch.tensor([[C + 1]], device=device)
+        for rep in range(args.step_repeats + 2):
+            order = list(times)
+            shift = rep % len(order)
+            for name in order[shift:] + order[:shift]:
+                sync(device)
+                t0 = time.perf_counter()
+                if name == "verifier":
+                    verifier.forward(tok, 1)
+                elif name.endswith("before-issue-20"):
+                    logits, _ = old_draft_step(old_prop.draft, tok[None], old_h, pos, old_cache)
+                    old_prop._choose(logits[0, -1], greedy, None)
+                else:
+                    prop, h = proposers[int(name.split("-")[1])]
+                    logits, _ = prop._step(tok[None], h, pos)  # one cached draft step ...
+                    prop._choose(logits[0, -1], greedy, None)  # ... and its token (argmax, d2t)
+                sync(device)
+                if rep >= 2:
+                    times[name].append(time.perf_counter() - t0)
+                if name == "verifier":
+                    verifier.rollback(C)
+                elif name.endswith("before-issue-20"):
+                    old_cache[:] = [old_cache[0][:, :, :C], old_cache[1][:, :, :C]]
+                else:
+                    prop.cache.rollback(C)
+    med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    res["median_ms"] = med
+    res["draft_over_verifier"] = {k: med[k] / med["verifier"] for k in med if k != "verifier"}
+    res["target_5pct"] = {k: v <= 0.05 for k, v in res["draft_over_verifier"].items()}
+    out["draft"] = res
+
+
+# ----------------------------------------------------------------------------------------- 4. peak RSS
+def rss_child(args: argparse.Namespace) -> None:
+    """Decode to ``--rss-context`` tokens of context once, then print the peak RSS (one JSON line)."""
+    import inspect
+
+    from draftsmith import generate
+
+    model, _, _ = load(args)
+    V = model.config.vocab_size
+    n = args.max_new_tokens
+    ids = torch.randint(2, V, (args.rss_context - n,), generator=torch.Generator().manual_seed(0)).tolist()
+    proposer = None
+    if args.rss_child.endswith("+eagle3"):
+        try:
+            from draftsmith.decoding.proposers import Eagle3Proposer
+        except ImportError:  # an older checkout
+            from draftsmith.models.eagle3 import Eagle3Proposer
+        proposer = Eagle3Proposer(eagle3_draft(model, min(args.draft_vocab[0], V)))
+    kw = {}
+    if "engine" in inspect.signature(generate).parameters:
+        kw["engine"] = args.rss_child.split("+")[0]
+    before = _vm("VmRSS")
+    out = generate(model, ids, proposer=proposer, max_new_tokens=n, eos_token_id=[], num_draft_tokens=3, **kw)
+    print(json.dumps({"peak_rss": _vm("VmHWM"), "rss_before_generate": before, "new_tokens": len(out.token_ids),
+                      "engine": out.stats.get("engine", "baseline")}))
+
+
+def _vm(field: str) -> int:
+    m = re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())
+    return int(m.group(1)) * 1024 if m else -1
+
+
+def section_rss(args, out: dict) -> None:
+    variants = [("lean", None), ("hf-dynamic", None)]
+    if args.baseline_src:
+        variants.append(("baseline", args.baseline_src))
+    res: dict[str, Any] = {"context": args.rss_context}
+    for kind in ("plain", "eagle3"):
+        for name, src in variants:
+            key = f"{name}+eagle3" if kind == "eagle3" else name
+            env = dict(os.environ, PYTHONPATH=str(Path(src or "src").resolve()))
+            cmd = [sys.executable, __file__, "--rss-child", key, "--verifier", args.verifier, "--dtype", args.dtype,
+                   "--device", args.device, "--rss-context", str(args.rss_context), "--max-new-tokens",
+                   str(args.max_new_tokens), "--draft-vocab", str(args.draft_vocab[0]),
+                   "--threads", str(args.threads)]
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+            line = (p.stdout.strip().splitlines() or ["{}"])[-1]
+            res[key] = json.loads(line) if p.returncode == 0 else {"error": p.stderr[-2000:]}
+            print(f"  rss: {key}: {res[key].get('peak_rss', 'error')}", file=sys.stderr, flush=True)
+    for kind in ("", "+eagle3"):
+        for old in ("hf-dynamic", "baseline"):
+            a, b = res.get("lean" + kind, {}), res.get(old + kind, {})
+            if "peak_rss" in a and "peak_rss" in b:
+                res[f"lean{kind} / {old}{kind}"] = a["peak_rss"] / b["peak_rss"]
+    out["rss"] = res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--verifier", default="smollm2-135m", help="verifier spec, or random-1b / random-tiny")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--sections", nargs="+", default=["plain", "context", "draft", "rss"],
+                    choices=["plain", "context", "draft", "rss"])
+    ap.add_argument("--num-prompts", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2, help="timed passes over the prompts (section plain)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
+    ap.add_argument("--step-repeats", type=int, default=20, help="timed steps per point (context, draft)")
+    ap.add_argument("--draft-context", type=int, default=128, help="cached positions in the draft section")
+    ap.add_argument("--draft-vocab", type=int, nargs="+", default=[8192, 32000])
+    ap.add_argument("--rss-context", type=int, default=2048)
+    ap.add_argument("--baseline-src", default=None, help="src/ of an older checkout for the RSS baseline")
+    ap.add_argument("--compile", action="store_true", help="add compiled lean rows (plain, context)")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/lean-engine.json"))
+    ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.rss_child:
+        rss_child(args)
+        return 0
+    from draftsmith.bench import _environment
+
+    model, tok, label = load(args)
+    out: dict[str, Any] = {"verifier": label, "dtype": args.dtype, "device": str(next(model.parameters()).device),
+                           "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+                           "environment": _environment(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                           "load_average_start": os.getloadavg()}
+    t0 = time.time()
+    if "plain" in args.sections:
+        section_plain(args, model, tok, out)
+    if "context" in args.sections:
+        section_context(args, model, out)
+    if "draft" in args.sections:
+        section_draft(args, model, out)
+    if "rss" in args.sections:
+        section_rss(args, out)
+    out["seconds"] = time.time() - t0
+    out["load_average_end"] = os.getloadavg()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    report(out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def report(out: dict) -> None:
+    print(f"verifier {out['verifier']}, {out['dtype']} on {out['device']}; load average "
+          f"{out['load_average_start'][0]:.1f} -> {out['load_average_end'][0]:.1f}")
+    if "plain" in out:
+        s = out["plain"]
+        print(f"[plain] {s['prompts']} prompts x {s['max_new_tokens']} new tokens, {s['repeats']} repeat(s)")
+        for k, v in s["tokens_per_second"].items():
+            print(f"  {k:20s} {v['median']:7.1f} tok/s  identical to generate: "
+                  f"{s['identical_to_hf_generate'][k]}/{s['prompts']}")
+        for k, v in s["ratios"].items():
+            print(f"  {k:40s} median {v['median']:.3f} [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}] "
+                  f"min {v['min']:.3f}")
+    if "context" in out:
+        c = out["context"]
+        for p, curve in c["median_ms"].items():
+            print(f"[context] {p:14s} " + "  ".join(f"{C}: {ms:.1f} ms" for C, ms in curve.items())
+                  + f"   1024/128 = {c['step_1024_over_128'][p]:.3f}")
+    if "draft" in out:
+        d = out["draft"]
+        print(f"[draft] at {d['context']} cached: " + "  ".join(f"{k}: {v:.2f} ms" for k, v in d["median_ms"].items()))
+        print("  draft / verifier step: " + "  ".join(f"{k}: {100 * v:.1f}%" for k, v in d["draft_over_verifier"].items()))
+    if "rss" in out:
+        r = out["rss"]
+        for k, v in r.items():
+            if isinstance(v, dict) and "peak_rss" in v:
+                print(f"[rss] {k:20s} peak {v['peak_rss'] / 2**20:7.1f} MiB (before generate "
+                      f"{v['rss_before_generate'] / 2**20:.1f})")
+            elif isinstance(v, float):
+                print(f"[rss] {k:40s} {v:.3f}")
+            elif isinstance(v, dict):
+                print(f"[rss] {k}: {str(v)[:300]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,373 @@
+"""The verifier's side of a generation: forward over a cache sized to the request, rollback by index.
+
+:func:`verifier_runner` picks, for a given model, the leanest path that computes
+exactly what the transformers forward computes:
+
+- ``lean``: :class:`~draftsmith.models.lean.LeanDecoder` over a preallocated
+  :class:`~draftsmith.models.kv.KVCache` (Llama, Mistral, Qwen2/3, Gemma 3 with
+  SDPA attention). Optionally compiled (``torch.compile``; CUDA graphs on CUDA).
+- ``hf-static``: the model's own transformers forward with :class:`StaticPrefixCache`
+  (preallocated, rollback by index) and forward hooks for the aux hidden states:
+  any decoder whose layers are full or sliding-window attention.
+- ``hf-dynamic``: the transformers forward with a ``DynamicCache`` (with past
+  recording, so sliding windows can roll back): everything else, e.g. linear or
+  chunked attention layers, whose state cannot be rolled back by an index.
+
+Every path appends the new positions on :meth:`VerifierRunner.forward` and keeps
+the first ``n`` on :meth:`VerifierRunner.rollback`; that is all the engine sees.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.kv import KVCache
+from draftsmith.models.lean import LeanDecoder, layer_windows, lean_unsupported
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "lean", "hf-static", "hf-dynamic")
+
+
+class VerifierRunner:
+    """Interface: ``forward`` appends positions, ``rollback`` keeps a prefix, ``length`` counts them.
+
+    Attributes:
+        kind: ``lean``, ``hf-static`` or ``hf-dynamic``.
+        compiled: whether steps run a compiled graph.
+        compile_seconds: wall time spent compiling (warm-up calls), 0 when cached or eager.
+    """
+
+    kind = ""
+    compiled = False
+    compile_seconds = 0.0
+    length = 0
+
+    def forward(self, ids: torch.Tensor, keep: int,
+                aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append ``ids [m]``; return logits ``[keep, V]`` and aux hidden states ``[m, A*H]`` (or None)."""
+        raise NotImplementedError
+
+    def rollback(self, length: int) -> None:
+        """Keep the first ``length`` positions."""
+        raise NotImplementedError
+
+    def reserve(self, capacity: int) -> None:
+        """Make room for ``capacity`` positions in all (a no-op where the cache grows by itself)."""
+
+    def close(self) -> None:
+        """Release hooks placed on the model."""
+
+
+# --------------------------------------------------------------------------------------- lean
+class _CompiledStep:
+    """One compiled lean step per model, shared by its runners and reused across prompts.
+
+    Its caches (one per role: the verifier, or the same model serving as a draft) are kept
+    too, so CUDA graphs see the same buffer addresses from one prompt to the next.
+    """
+
+    def __init__(self, decoder: LeanDecoder) -> None:
+        self.decoder = decoder
+        self.cuda = decoder.layers[0].wq.device.type == "cuda"
+        self.caches: dict[str, KVCache] = {}
+        self.warm: set[tuple] = set()  # (capacity, one-token?, aux) shapes already compiled
+        mode = "reduce-overhead" if self.cuda else None  # reduce-overhead: CUDA graphs
+        self.fn = torch.compile(self._step, mode=mode)
+
+    def _step(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, aux: tuple[int, ...]):
+        return self.decoder.forward(ids, pos, cache, None, aux)
+
+    def cache(self, role: str, capacity: int) -> KVCache:
+        """The role's cache, grown to ``capacity`` rounded up to :data:`CAPACITY_BUCKET` when short."""
+        cache = self.caches.get(role)
+        if cache is None or cache.capacity < capacity:
+            cache = self.caches[role] = self.decoder.new_cache(-(-capacity // CAPACITY_BUCKET) * CAPACITY_BUCKET)
+            if self.cuda:
+                cache.mark_static_addresses()
+        cache.length = 0
+        return cache
+
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, aux: tuple[int, ...]):
+        if ids.shape[0] > 1:  # one graph for every verify length instead of one per k + 1
+            torch._dynamo.mark_dynamic(ids, 0)
+            torch._dynamo.mark_dynamic(pos, 0)
+        cache.static = True
+        try:
+            if self.cuda:
+                torch.compiler.cudagraph_mark_step_begin()
+            logits, hidden = self.fn(ids, pos, cache, aux)
+        finally:
+            cache.static = False
+        if self.cuda:  # a CUDA graph's outputs are overwritten by its next replay
+            logits = logits.clone()
+            hidden = hidden.clone() if hidden is not None else None
+        return logits, hidden
+
+    def warmup(self, cache: KVCache, aux: tuple[int, ...], shapes: tuple[int, ...]) -> float:
+        """Compile (and on CUDA record) the step lengths in ``shapes``; returns the seconds it took."""
+        t0 = time.perf_counter()
+        did = False
+        dev = cache.keys[0].device
+        for m in shapes:
+            key = (cache.capacity, m == 1, aux)
+            if key in self.warm:
+                continue
+            for _ in range(3 if self.cuda else 1):  # CUDA graph trees warm up, then record
+                self(torch.zeros(m, dtype=torch.long, device=dev), torch.arange(m, device=dev), cache, aux)
+            self.warm.add(key)
+            did = True
+        if did and self.cuda:
+            torch.cuda.synchronize(dev)
+        cache.length = 0  # the warm-up wrote garbage at positions the prompt overwrites
+        return time.perf_counter() - t0 if did else 0.0
+
+
+_COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, _CompiledStep]" = weakref.WeakKeyDictionary()
+
+# Compiled caches come in sizes of this many positions, so prompts of similar length share graphs.
+CAPACITY_BUCKET = 512
+
+
+class LeanRunner(VerifierRunner):
+    """:class:`LeanDecoder` over a :class:`KVCache`; compiled decode/verify steps when ``compile``."""
+
+    kind = "lean"
+
+    def __init__(self, model: torch.nn.Module, capacity: int, compile: bool = False,
+                 aux_layer_ids: tuple[int, ...] = (), warmup_shapes: tuple[int, ...] = (),
+                 role: str = "verifier") -> None:
+        self.compiled = compile
+        self.aux = tuple(aux_layer_ids)
+        if not compile:
+            self.decoder = LeanDecoder(model)
+            self.cache = self.decoder.new_cache(capacity)
+            return
+        step = _COMPILED.get(model)
+        if step is None:
+            step = _COMPILED[model] = _CompiledStep(LeanDecoder(model))
+        self.step, self.decoder = step, step.decoder
+        self.cache = step.cache(role, capacity)
+        self.compile_seconds = step.warmup(self.cache, self.aux, warmup_shapes)
+
+    @property
+    def length(self) -> int:  # type: ignore[override]
+        return self.cache.length
+
+    def forward(self, ids: torch.Tensor, keep: int,
+                aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        m, start = ids.shape[0], self.cache.length
+        self.cache.check_room(m)
+        pos = torch.arange(start, start + m, device=ids.device)
+        aux = tuple(aux_layer_ids)
+        # The prompt runs eager: one graph per prompt length would not pay for its compile time.
+        if self.compiled and start > 0 and keep == m:
+            logits, hidden = self.step(ids, pos, self.cache, aux)
+        else:
+            logits, hidden = self.decoder.forward(ids, pos, self.cache, keep, aux)
+        self.cache.advance(m)
+        return logits, hidden
+
+    def rollback(self, length: int) -> None:
+        self.cache.rollback(length)
+
+    def reserve(self, capacity: int) -> None:
+        if self.compiled and capacity > self.cache.capacity:
+            raise DraftsmithError(f"compiled KV cache holds {self.cache.capacity} positions, {capacity} asked")
+        self.cache.reserve(capacity)
+
+
+# --------------------------------------------------------------------------------------- transformers forward
+@functools.lru_cache(maxsize=None)
+def _prefix_cache_classes():
+    """The transformers-protocol classes, built on first use (importing transformers is slow)."""
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    class PrefixLayer(CacheLayerMixin):
+        """One preallocated layer: ``update`` writes at the index and returns the prefix view."""
+
+        is_compileable = False
+        is_croppable = True
+        supports_early_init = False
+
+        def __init__(self, capacity: int, sliding: bool) -> None:
+            super().__init__()
+            self.capacity, self.is_sliding = capacity, sliding
+            self.length = 0
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            b, h, _, d = key_states.shape
+            self.keys = key_states.new_zeros(b, h, self.capacity, d)
+            self.values = value_states.new_zeros(b, value_states.shape[1], self.capacity, value_states.shape[3])
+            self.is_initialized = True
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            start, end = self.length, self.length + key_states.shape[-2]
+            if end > self.capacity:
+                raise DraftsmithError(f"KV cache full: {start} cached + {end - start} new positions > capacity "
+                                      f"{self.capacity}; the cache is sized to the request")
+            self.keys[:, :, start:end] = key_states
+            self.values[:, :, start:end] = value_states
+            self.length = end
+            # Sliding layers keep every position too: the mask (absolute positions, offset 0) applies
+            # the window, and nothing leaves the cache that a rollback might need back.
+            return self.keys[:, :, :end], self.values[:, :, :end]
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.length + query_length, 0
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+        def get_max_length(self) -> int:
+            return self.capacity
+
+        def crop(self, tokens_to_remove: int) -> None:
+            if tokens_to_remove > 0:
+                raise ValueError("crop takes a negative count of tokens to remove")
+            self.length -= min(-tokens_to_remove, self.length)
+
+        def reset(self) -> None:
+            self.length = 0
+
+        def reserve(self, capacity: int) -> None:
+            if capacity <= self.capacity:
+                return
+            capacity = max(capacity, 2 * self.capacity)  # amortised growth
+            if self.is_initialized:
+                for name in ("keys", "values"):
+                    old = getattr(self, name)
+                    new = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
+                    new[:, :, : self.length] = old[:, :, : self.length]
+                    setattr(self, name, new)
+            self.capacity = capacity
+
+    class StaticPrefixCache(Cache):
+        """A transformers ``Cache`` of preallocated layers returning prefix views; crop moves an index."""
+
+        def __init__(self, config: Any, capacity: int) -> None:
+            super().__init__(layers=[PrefixLayer(capacity, w is not None) for w in layer_windows(config)])
+
+    return PrefixLayer, StaticPrefixCache
+
+
+def static_prefix_cache(config: Any, capacity: int) -> Any:
+    """A transformers ``Cache`` preallocated for ``capacity`` positions, for full/sliding-attention models."""
+    return _prefix_cache_classes()[1](config, capacity)
+
+
+class HFRunner(VerifierRunner):
+    """The model's transformers forward; aux hidden states from forward hooks, not ``output_hidden_states``."""
+
+    def __init__(self, model: torch.nn.Module, capacity: int, static: bool) -> None:
+        from transformers import DynamicCache
+
+        self.model = model
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.kind = "hf-static" if static else "hf-dynamic"
+        self.cache = static_prefix_cache(cfg, capacity) if static else DynamicCache(config=model.config)
+        self._recording = static  # a DynamicCache records the past only once its layers exist
+        self._saved: dict[int, torch.Tensor] = {}
+        self._hooks: list[Any] = []
+        base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self._layers = list(base.layers)
+        self._norm = base.norm
+        self._want: tuple[int, ...] = ()
+
+    def _hook(self, aux: tuple[int, ...]) -> None:
+        if aux == self._want:
+            return
+        self.close()
+        self._want = aux
+        n = len(self._layers)
+        for i in aux:
+            if i < n:
+                def pre(mod, args, kwargs, i=i):
+                    self._saved[i] = args[0] if args else kwargs["hidden_states"]
+                self._hooks.append(self._layers[i].register_forward_pre_hook(pre, with_kwargs=True))
+            else:  # hidden_states[n]: the final normed output
+                def post(mod, args, out, i=i):
+                    self._saved[i] = out
+                self._hooks.append(self._norm.register_forward_hook(post))
+
+    @property
+    def length(self) -> int:  # type: ignore[override]
+        return int(self.cache.get_seq_length())
+
+    def forward(self, ids: torch.Tensor, keep: int,
+                aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        aux = tuple(aux_layer_ids)
+        self._hook(aux)
+        self._saved.clear()
+        out = self.model(input_ids=ids[None], cache=self.cache, use_cache=True, logits_to_keep=keep)
+        if not self._recording:
+            # From here on sliding-window layers keep what a rollback needs.
+            self.cache.activate_past_recording()
+            self._recording = True
+        hidden = torch.cat([self._saved[i][0] for i in aux], -1) if aux else None
+        return out.logits[0], hidden
+
+    def rollback(self, length: int) -> None:
+        cur = self.length
+        if not 0 <= length <= cur:
+            raise DraftsmithError(f"cannot roll the KV cache back to {length}: it holds {cur} positions")
+        self.cache.crop(-(cur - length))  # crop(0) also trims sliding windows of a DynamicCache
+
+    def reserve(self, capacity: int) -> None:
+        for layer in self.cache.layers:
+            if hasattr(layer, "reserve"):
+                layer.reserve(capacity)
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._want = ()
+
+
+def runner_kind(model: torch.nn.Module) -> tuple[str, str | None]:
+    """The path ``auto`` takes for ``model`` and, when it is not ``lean``, why."""
+    why = lean_unsupported(model)
+    if why is None:
+        return "lean", None
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if layer_windows(cfg) is None:
+        return "hf-dynamic", f"{why}; and a layer is neither full nor sliding-window attention"
+    return "hf-static", why
+
+
+def verifier_runner(model: torch.nn.Module, capacity: int, compile: bool = False, mode: str = "auto",
+                    aux_layer_ids: tuple[int, ...] = (), warmup_shapes: tuple[int, ...] = (),
+                    role: str = "verifier") -> VerifierRunner:
+    """A runner for ``model`` with room for ``capacity`` positions.
+
+    Args:
+        model: the transformers causal LM.
+        capacity: the most positions the request reaches (prompt + new tokens + draft + slack).
+        compile: compile the decode/verify steps (lean path only; others run eager and say so).
+        mode: ``auto`` (the leanest exact path) or one of ``lean``, ``hf-static``, ``hf-dynamic``.
+        aux_layer_ids: the hidden states compiled steps return (eager steps take them per call).
+        warmup_shapes: step lengths to compile before returning (their time is ``compile_seconds``).
+        role: names the compiled cache this runner reuses (a model can verify and draft at once).
+    """
+    if mode not in MODES:
+        raise DraftsmithError(f"engine mode must be one of {', '.join(MODES)}, got {mode!r}")
+    kind, why = runner_kind(model) if mode == "auto" else (mode, None)
+    if kind == "lean":
+        if mode == "lean" and lean_unsupported(model):
+            raise DraftsmithError(f"the lean forward cannot run this model: {lean_unsupported(model)}")
+        return LeanRunner(model, capacity, compile, aux_layer_ids, warmup_shapes, role)
+    if compile:
+        log.warning("--compile applies to the lean path only; this model runs the %s path (%s)", kind, why)
+    elif why:
+        log.debug("engine path %s: %s", kind, why)
+    return HFRunner(model, capacity, static=kind == "hf-static")

@@ -1,0 +1,156 @@
+"""A preallocated KV cache sized to one request, rolled back by moving an index.
+
+Symbols: S capacity (prompt + max new tokens + draft length + slack), T ``length``
+(positions whose keys/values are valid), m new positions of a forward, nkv / hd
+key-value heads and head dim, W a layer's sliding window (None: full attention).
+
+A forward writes the keys/values of its m positions at ``[T, T+m)`` of every layer
+and then ``advance(m)``; a rejected draft is undone by ``rollback(T')``, which only
+moves T: the stale entries past T are overwritten by the next write and never read,
+because attention reads ``[.., :T+m)`` (eager) or masks every key past the query's
+position (static). Nothing is copied or concatenated per step, unlike a
+``DynamicCache`` whose every layer re-concatenates its whole cache on each forward.
+
+Two ways to read the cache, same buffers:
+
+- eager (default): attend over the prefix view ``[lo, T+m)`` (``lo`` > 0 only for a
+  sliding window), so a step costs what its context holds; a one-token step needs no mask.
+- static (``static=True``, for ``torch.compile`` and CUDA graphs): write at the
+  position tensor with ``index_copy_`` and attend over all S slots under a mask built
+  from that tensor, so every shape is fixed and nothing in the step reads T on the host.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from draftsmith.errors import DraftsmithError
+
+
+class KVCache:
+    """Keys and values ``[1, nkv, S, hd]`` per layer, valid up to ``length``.
+
+    Args:
+        num_layers: layers (one buffer pair each).
+        num_kv_heads: nkv, one int or one per layer.
+        head_dim: hd, one int or one per layer.
+        capacity: S, the most positions the request can reach.
+        dtype: buffer dtype (the model's).
+        device: buffer device.
+        windows: per layer sliding window W, or None for full attention.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int | Sequence[int], head_dim: int | Sequence[int],
+                 capacity: int, dtype: torch.dtype, device: torch.device | str,
+                 windows: Sequence[int | None] | None = None) -> None:
+        if capacity < 1:
+            raise DraftsmithError(f"KV cache capacity must be >= 1, got {capacity}")
+        nkv = [num_kv_heads] * num_layers if isinstance(num_kv_heads, int) else list(num_kv_heads)
+        hd = [head_dim] * num_layers if isinstance(head_dim, int) else list(head_dim)
+        self.windows = list(windows) if windows is not None else [None] * num_layers
+        if not len(nkv) == len(hd) == len(self.windows) == num_layers:
+            raise DraftsmithError("KV cache: one head count, head dim and window per layer")
+        self.keys = [torch.zeros(1, n, capacity, d, dtype=dtype, device=device) for n, d in zip(nkv, hd)]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.capacity = capacity
+        self.length = 0
+        self.static = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def check_room(self, m: int) -> None:
+        """Raise a clear error before a forward of ``m`` positions that would not fit."""
+        if self.length + m > self.capacity:
+            raise DraftsmithError(
+                f"KV cache full: {self.length} cached + {m} new positions > capacity {self.capacity}; "
+                "the cache is sized to the request (prompt + max new tokens + draft length)")
+
+    def advance(self, m: int) -> None:
+        """Mark the ``m`` positions the last forward wrote as valid."""
+        self.check_room(m)
+        self.length += m
+
+    def rollback(self, length: int) -> None:
+        """Keep the first ``length`` positions (a rejected draft's entries become free slots)."""
+        if not 0 <= length <= self.length:
+            raise DraftsmithError(f"cannot roll the KV cache back to {length}: it holds {self.length} positions")
+        self.length = length
+
+    def reserve(self, capacity: int) -> None:
+        """Grow to at least ``capacity`` positions, keeping the valid ones.
+
+        A copy, so it doubles at the least (amortised); a cache sized to its request never grows.
+        """
+        if capacity <= self.capacity:
+            return
+        capacity = max(capacity, 2 * self.capacity)
+        for buffers in (self.keys, self.values):
+            for j, old in enumerate(buffers):
+                new = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
+                new[:, :, : self.length] = old[:, :, : self.length]
+                buffers[j] = new
+        self.capacity = capacity
+
+    def mark_static_addresses(self) -> None:
+        """Tell dynamo the buffers keep their addresses (CUDA graphs then skip re-copying them)."""
+        for t in self.keys + self.values:
+            torch._dynamo.mark_static_address(t)
+
+    def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """Write layer ``i``'s new keys/values and attend.
+
+        Args:
+            i: layer index.
+            q: ``[1, nh, m, hd]`` queries (rope applied).
+            k: ``[1, nkv, m, hd]`` new keys (rope applied).
+            v: ``[1, nkv, m, hd]`` new values.
+            pos: ``[m]`` absolute positions of the queries, ``T .. T+m-1``.
+            scale: softmax scale.
+
+        Returns:
+            ``[1, nh, m, hd]``: causal attention (windowed where the layer has W) over the
+            cached and new positions; GQA through SDPA's ``enable_gqa``, no repeated K/V.
+        """
+        K, V, W = self.keys[i], self.values[i], self.windows[i]
+        if self.static:
+            K.index_copy_(2, pos, k)
+            V.index_copy_(2, pos, v)
+            slots = torch.arange(K.shape[2], device=pos.device)
+            mask = slots[None, :] <= pos[:, None]  # [m, S]; slots past the query are stale or empty
+            if W is not None:
+                mask = mask & (slots[None, :] > pos[:, None] - W)
+            return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scale, enable_gqa=True)
+        m = q.shape[2]
+        start, end = self.length, self.length + m
+        self.check_room(m)
+        K[:, :, start:end] = k
+        V[:, :, start:end] = v
+        lo = 0 if W is None else max(0, start - W + 1)  # the oldest key any of the m queries sees
+        mask, causal = None, False
+        if m > 1 and lo == 0 and start == 0 and (W is None or m <= W):
+            causal = True  # a prefill: SDPA's own causal mask, nothing to build
+        elif m > 1 or (W is not None and end - lo >= W):
+            # A one-token step sees all of [lo, end) and needs no mask, but once a window is
+            # full transformers passes an all-true mask, and SDPA rounds differently with one:
+            # building it keeps the logits bitwise equal to transformers'.
+            qpos = torch.arange(start, end, device=q.device)[:, None]
+            kpos = torch.arange(lo, end, device=q.device)[None, :]
+            mask = kpos <= qpos
+            if W is not None:
+                mask = mask & (kpos > qpos - W)
+            if m == 1 and q.shape[1] != K.shape[1]:
+                # transformers' masked one-token GQA: the query heads of one KV head as a
+                # sequence of rep queries, so SDPA needs no GQA support (and rounds the same).
+                nh, hd = q.shape[1], q.shape[3]
+                out = F.scaled_dot_product_attention(q.reshape(1, K.shape[1], nh // K.shape[1], hd),
+                                                     K[:, :, lo:end], V[:, :, lo:end], attn_mask=mask,
+                                                     scale=scale)
+                return out.reshape(1, nh, 1, hd)
+        return F.scaled_dot_product_attention(q, K[:, :, lo:end], V[:, :, lo:end], attn_mask=mask,
+                                              is_causal=causal, scale=scale, enable_gqa=True)

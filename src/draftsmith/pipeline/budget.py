@@ -1,0 +1,370 @@
+"""Budgets in minutes: measure this machine, then size the run to fit.
+
+A user thinks "what is the best draft I can get in 20 minutes here?", not "how many
+conversations". :func:`calibrate` times each step of the real pipeline on a handful
+of real inputs (the first seconds of the run): a regeneration batch at two reply
+lengths (prefill and per-token cost), the capture forward of those replies, a few
+training steps on the captured hidden states, and one plain decode for the bench.
+:func:`make_plan` turns those rates into a data size, a training length and a bench
+size whose predicted total fits the budget, and says what each step should take.
+
+The plan is written to ``OUT/plan.json`` with the budget, the machine (CPU model,
+threads, device) and the configuration it was made for; a rerun with the same
+budget on the same machine reuses it instead of measuring again, so its steps come
+out of the step cache. Training gets its time share as ``max_minutes`` (it stops
+with a checkpoint there, and the report says so); everything else is sized in
+advance.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from draftsmith.errors import DraftsmithError
+
+#: shares of what is left after fixed costs: the bench's target share of the budget,
+#: and the smallest useful run (prompts measured; conversations trained on)
+BENCH_SHARE = 0.2
+MIN_BENCH_PROMPTS = 4
+MAX_BENCH_PROMPTS = 80
+MIN_CONVERSATIONS = 16
+#: predicted minutes are multiplied by this before they are compared with the budget (a
+#: plan that fits exactly on a quiet machine overruns on a busy one)
+SAFETY = 1.1
+
+
+@dataclass
+class Rates:
+    """What one unit of each step costs on this machine, in seconds (measured by :func:`calibrate`).
+
+    Attributes:
+        regen_batch_fixed: a regeneration batch's cost independent of the reply length
+            (prefill of ``batch_size`` prompts, setup).
+        regen_batch_per_token: each further decode step of a batch.
+        batch_size: the batch those two were measured at.
+        reply_tokens: mean reply length to expect (tokens), from the calibration replies.
+        prompt_tokens: mean prompt length (tokens).
+        capture_per_token: capture forward, per token of prompt + reply.
+        train_per_position: one packed training position through the draft (forward + backward).
+        decode_per_token: one plain decode step of the verifier at the bench's dtype.
+        load_seconds: model loads and other fixed costs of a run (calibration included).
+    """
+
+    regen_batch_fixed: float
+    regen_batch_per_token: float
+    batch_size: int
+    reply_tokens: float
+    prompt_tokens: float
+    capture_per_token: float
+    train_per_position: float
+    decode_per_token: float
+    load_seconds: float = 0.0
+
+
+@dataclass
+class Plan:
+    """Sizes that fit the budget, and what each step is predicted to take (seconds)."""
+
+    budget_minutes: float
+    num_conversations: int
+    epochs: float
+    bench_prompts: int
+    train_max_minutes: float
+    predicted_seconds: dict[str, float] = field(default_factory=dict)
+    rates: dict[str, float] = field(default_factory=dict)
+    machine: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def predicted_total(self) -> float:
+        return sum(self.predicted_seconds.values())
+
+    def describe(self) -> str:
+        s = self.predicted_seconds
+        return (f"plan for {self.budget_minutes:g} min on this machine: regenerate {self.num_conversations} "
+                f"prompts ~ {_mins(s['regenerate'])}, capture ~ {_mins(s['capture'])}, train {self.epochs:g} "
+                f"epoch(s) ~ {_mins(s['train'])} (stops at {self.train_max_minutes:.1f} min), bench "
+                f"{self.bench_prompts} prompts ~ {_mins(s['bench'])}; fixed costs ~ {_mins(s['fixed'])}; "
+                f"total ~ {_mins(self.predicted_total)}")
+
+
+def _mins(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min"
+
+
+def bench_seconds(rates: Rates, prompts: int, max_new_tokens: int, rows: int, repeats: int) -> float:
+    """A bench run: every row decodes every prompt (plus one warm-up per row and the cost probes)."""
+    per_run = (rates.prompt_tokens * rates.capture_per_token + max_new_tokens * rates.decode_per_token)
+    probes = 40 * rates.decode_per_token * rows  # verify-cost probes and draft calibration, ~40 steps per row
+    return rows * per_run * (prompts * repeats + 1) + probes
+
+
+def make_plan(budget_minutes: float, rates: Rates, *, max_new_tokens: int, epochs: float, pack_tokens: int,
+              bench_max_new_tokens: int, bench_rows: int, repeats: int = 1,
+              machine: dict[str, Any] | None = None) -> Plan:
+    """Size the run so that its predicted time (times :data:`SAFETY`) fits ``budget_minutes``.
+
+    The bench gets up to :data:`BENCH_SHARE` of the budget (at least :data:`MIN_BENCH_PROMPTS`
+    prompts); data and training share the rest at the asked ``epochs``, so the number of
+    conversations is what remains divided by one conversation's regeneration, capture and
+    training cost.
+
+    Raises:
+        DraftsmithError: the budget cannot hold the smallest useful run; the message
+            says how many minutes this machine needs for it.
+    """
+    if not math.isfinite(budget_minutes) or budget_minutes <= 0:
+        raise DraftsmithError(f"--budget must be a positive number of minutes, got {budget_minutes}")
+    budget = budget_minutes * 60 / SAFETY
+    reply = min(rates.reply_tokens, max_new_tokens)
+    per_conv = {"regenerate": (rates.regen_batch_fixed + reply * rates.regen_batch_per_token) / rates.batch_size,
+                "capture": (rates.prompt_tokens + reply) * rates.capture_per_token,
+                "train": epochs * (rates.prompt_tokens + reply) * rates.train_per_position}
+    one_bench_prompt = bench_seconds(rates, 1, bench_max_new_tokens, bench_rows, repeats) - \
+        bench_seconds(rates, 0, bench_max_new_tokens, bench_rows, repeats)
+    bench_fixed = bench_seconds(rates, 0, bench_max_new_tokens, bench_rows, repeats)
+    fixed = rates.load_seconds
+    # a regeneration batch is paid whole even when it is not full
+    min_batch = rates.regen_batch_fixed + reply * rates.regen_batch_per_token
+    minimum = (fixed + bench_fixed + MIN_BENCH_PROMPTS * one_bench_prompt + min_batch
+               + MIN_CONVERSATIONS * (per_conv["capture"] + per_conv["train"]))
+    if budget < minimum:
+        raise DraftsmithError(f"--budget {budget_minutes:g} is too small for the smallest useful run on this "
+                              f"machine ({MIN_CONVERSATIONS} conversations, {MIN_BENCH_PROMPTS} bench prompts): "
+                              f"it needs at least {math.ceil(minimum * SAFETY / 60)} minutes here")
+    prompts = int((BENCH_SHARE * budget - bench_fixed) // one_bench_prompt)
+    prompts = max(MIN_BENCH_PROMPTS, min(MAX_BENCH_PROMPTS, prompts))
+    bench = bench_fixed + prompts * one_bench_prompt
+    left = budget - fixed - bench
+    n = int(left // sum(per_conv.values()))
+    if n < MIN_CONVERSATIONS:  # the bench share left too little: shrink the bench to its minimum
+        prompts = MIN_BENCH_PROMPTS
+        bench = bench_fixed + prompts * one_bench_prompt
+        n = max(MIN_CONVERSATIONS, int((budget - fixed - bench) // sum(per_conv.values())))
+    if n >= rates.batch_size:  # whole batches: a part-filled one costs as much as a full one
+        n -= n % rates.batch_size
+    batches = math.ceil(n / rates.batch_size)
+    tokens = rates.prompt_tokens + reply
+    predicted = {"fixed": fixed, "regenerate": batches * min_batch, "capture": n * per_conv["capture"],
+                 "train": n * per_conv["train"], "bench": bench}
+    # what rounding to whole batches left over goes to training (at most twice the asked epochs)
+    spare = budget - sum(predicted.values())
+    extra = min(max(spare, 0.0) / (n * tokens * rates.train_per_position), epochs)
+    epochs = epochs + extra
+    predicted["train"] = n * epochs * tokens * rates.train_per_position
+    # training may run over its prediction by a third before it is stopped (steps vary less than data)
+    train_max = max(predicted["train"] * 4 / 3, 30.0) / 60
+    return Plan(budget_minutes, n, round(epochs, 3), prompts, train_max, predicted, asdict(rates), dict(machine or {}))
+
+
+def machine_key() -> dict[str, Any]:
+    """What a plan's rates depend on: the CPU model, torch's thread count, the CUDA device."""
+    import re
+
+    import torch
+
+    cpu = None
+    try:
+        m = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
+        cpu = m.group(1).strip() if m else None
+    except OSError:
+        pass
+    return {"cpu": cpu, "threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def load_plan(path: Path, key: dict[str, Any]) -> Plan | None:
+    """The plan stored at ``path`` when it was made for ``key`` (budget, machine, configuration)."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if raw.get("key") != json.loads(json.dumps(key, sort_keys=True, default=str)):
+        return None
+    return Plan(**raw["plan"])
+
+
+def save_plan(path: Path, key: dict[str, Any], plan: Plan) -> None:
+    from draftsmith.utils import atomic_write_json
+
+    atomic_write_json(Path(path), {"key": json.loads(json.dumps(key, sort_keys=True, default=str)),
+                                   "plan": asdict(plan), "created": time.strftime("%Y-%m-%d %H:%M:%S")})
+
+
+def calibrate(vd: Any, v: Any, data: Any, train: Any, bench: Any, work: Path, progress: bool = False) -> Rates:
+    """Time every step on a few real inputs (the first seconds of a budgeted run).
+
+    Args:
+        vd: the verifier in the data dtype (:class:`~draftsmith.pipeline.steps.Verifier`).
+        v: the verifier in the run's dtype (training reads it, the bench decodes with it).
+        data: the data settings (dataset, batch sizes, lengths).
+        train: the training settings (pack length, precision).
+        bench: the bench settings (dataset).
+        work: a scratch directory.
+
+    Returns:
+        The measured :class:`Rates`; ``load_seconds`` includes the calibration itself.
+    """
+    from draftsmith.data.capture import capture_samples, resolve_aux_layer_ids
+    from draftsmith.data.regenerate import load_regenerated, regenerate
+    from draftsmith.data.sources import eval_set, load_prompts
+    from draftsmith.decoding.engine import generate
+    from draftsmith.train.loop import TrainConfig
+    from draftsmith.train.loop import train as run_train
+
+    t_start = time.perf_counter()
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    model, tok = vd.model, vd.tokenizer
+    source = "sharegpt" if data.dataset == "self" else data.dataset  # self-written prompts: costed as ShareGPT's
+    convs = load_prompts(source, split="train", limit=data.batch_size, seed=data.seed)
+    timings = {}
+    for n_new in (2, 10):
+        path = work / f"regen-{n_new}.jsonl"
+        path.unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        regenerate(model, tok, convs, path, max_new_tokens=n_new, batch_size=data.batch_size,
+                   max_prompt_tokens=data.max_prompt_tokens, seed=data.seed, progress=progress)
+        timings[n_new] = time.perf_counter() - t0
+    per_token = max((timings[10] - timings[2]) / 8, 1e-6)
+    fixed = max(timings[2] - 2 * per_token, 0.0)
+    replied = load_regenerated(work / "regen-10.jsonl")
+    prompt_tokens = sum(r.meta.get("prompt_tokens", 0) for r in replied) / max(len(replied), 1)
+
+    t0 = time.perf_counter()
+    samples = list(capture_samples(model, tok, replied, max_length=data.max_length,
+                                   batch_size=data.capture_batch_size))
+    captured = sum(len(s["input_ids"]) for s in samples)
+    capture_per_token = (time.perf_counter() - t0) / max(captured, 1)
+
+    out = work / "train"
+    import shutil
+
+    shutil.rmtree(out, ignore_errors=True)
+    pack = min(train.pack_tokens, max(64, captured // 4))
+    cfg = TrainConfig(verifier=v.spec, out=str(out), draft_vocab_size=train.draft_vocab_size, pack_tokens=pack,
+                      ttt_steps=train.ttt_steps, precision=train.precision, val_fraction=0.0, eval_every=10**6,
+                      checkpoint_every=10**6, max_steps=4, epochs=100.0, device=v.device)
+    run_train(cfg, samples=samples, verifier=v.model, fingerprint="calibration",
+              aux_layer_ids=resolve_aux_layer_ids(model), progress=False)
+    rates = [json.loads(line).get("tokens_per_s") for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steady = [r for r in rates[1:] if r] or [r for r in rates if r]
+    train_per_position = 1.0 / (sorted(steady)[len(steady) // 2])
+
+    (_, prompt), = eval_set(bench.dataset, v.tokenizer, limit=1)
+    generate(v.model, prompt, max_new_tokens=4)  # warm-up
+    t0 = time.perf_counter()
+    n = 24
+    out_gen = generate(v.model, prompt, max_new_tokens=n, eos_token_id=[])
+    decode = (time.perf_counter() - t0 - out_gen.stats["prefill_seconds"]) / max(len(out_gen.token_ids) - 1, 1)
+    return Rates(regen_batch_fixed=fixed, regen_batch_per_token=per_token, batch_size=data.batch_size,
+                 reply_tokens=float(data.max_new_tokens), prompt_tokens=prompt_tokens,
+                 capture_per_token=capture_per_token, train_per_position=train_per_position,
+                 decode_per_token=decode, load_seconds=time.perf_counter() - t_start)
+
+
+def plan_key(cfg: Any) -> dict[str, Any]:
+    """What a stored plan must match to be reused: the budget, this machine, the configuration."""
+    from draftsmith.config import to_dict
+
+    conf = to_dict(cfg)
+    conf.pop("out", None)
+    return {"budget": cfg.budget, "machine": machine_key(), "config": conf}
+
+
+def plan_for(cfg: Any, v: Any, vd: Any, out: Path, say: Any = print) -> Plan:
+    """The stored plan of this budget, machine and configuration, else a new one (calibrated now)."""
+    key = plan_key(cfg)
+    path = Path(out) / "plan.json"
+    plan = load_plan(path, key)
+    if plan is not None:
+        say(f"[plan] reusing {path} (same budget, machine and configuration)")
+        return plan
+    say(f"[plan] measuring this machine for a {cfg.budget:g}-minute budget ...")
+    rates = calibrate(vd, v, cfg.data, cfg.train, cfg.bench, Path(out) / "calibration")
+    rows = 1 + len(cfg.bench.num_draft_tokens) * (2 if cfg.previous_draft else 1) + 2 * cfg.bench.hf_reference
+    plan = make_plan(cfg.budget, rates, max_new_tokens=cfg.data.max_new_tokens, epochs=cfg.train.epochs,
+                     pack_tokens=cfg.train.pack_tokens, bench_max_new_tokens=cfg.bench.max_new_tokens,
+                     bench_rows=rows, repeats=cfg.bench.repeats, machine=key["machine"])
+    save_plan(path, key, plan)
+    return plan
+
+
+def apply_plan(cfg: Any, plan: Plan) -> Any:
+    """``cfg`` with the plan's data size, bench size and training time limit."""
+    import dataclasses
+
+    return dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, num_conversations=plan.num_conversations),
+        train=dataclasses.replace(cfg.train, max_minutes=round(plan.train_max_minutes, 2)),
+        bench=dataclasses.replace(cfg.bench, num_prompts=plan.bench_prompts))
+
+
+def fit_training(cfg: Any, plan: Plan, tokens: int, elapsed: float, out: Path) -> Any:
+    """After the data steps: give training the time the budget has left (before the bench).
+
+    Replies are planned at their longest, so the data usually comes out smaller than
+    planned and training has time to spare; the epochs grow to use it (at most twice
+    the asked epochs: more passes over few replies overfit), and shrink when the data
+    steps ran long. The result is stored in the plan file, so a rerun (whose cached
+    steps take no time) trains the same steps and hits the cache.
+    """
+    import dataclasses
+
+    path = Path(out) / "plan.json"
+    raw = json.loads(path.read_text()) if path.is_file() else {}
+    fit = raw.get("train_fit")
+    if fit is None:
+        positions = max(tokens * (1 - cfg.train.val_fraction), 1.0)
+        left = plan.budget_minutes * 60 / SAFETY - elapsed - plan.predicted_seconds["bench"]
+        per_epoch = positions * plan.rates["train_per_position"]
+        epochs = min(max(left / per_epoch, 0.25 * cfg.train.epochs), 2 * cfg.train.epochs)
+        fit = {"epochs": round(epochs, 3), "max_minutes": round(max(left, 30.0) / 60 * 1.15, 2),
+               "seconds_left": left, "tokens": tokens}
+        if raw:
+            raw["train_fit"] = fit
+            from draftsmith.utils import atomic_write_json
+
+            atomic_write_json(path, raw)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, epochs=fit["epochs"],
+                                                              max_minutes=fit["max_minutes"]))
+
+
+def extrapolate(metrics_path: Path, factors: tuple[float, ...] = (2.0, 4.0)) -> dict[str, Any] | None:
+    """This run's validation acceptance against training steps, fitted as ``a + b*log(steps)`` and
+    carried to ``factors`` times the steps: what a bigger budget would likely give.
+
+    Returns None with fewer than three validations. An extrapolation, not a measurement:
+    the curve flattens as data runs out (BENCHMARKS.md records a plateau near 2.25 here).
+    """
+    import numpy as np
+
+    try:
+        recs = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    except OSError:
+        return None
+    pts = [(r["step"], r["val_acceptance_length"]) for r in recs if "val_acceptance_length" in r and r["step"] > 0]
+    if len(pts) < 3:
+        return None
+    x = np.log([s for s, _ in pts])
+    y = np.array([a for _, a in pts])
+    b, a = np.polyfit(x, y, 1)
+    last = pts[-1][0]
+    return {"steps": last, "acceptance_length": float(y[-1]), "slope_per_log_step": float(b),
+            "at": {f"{f:g}x": float(a + b * math.log(last * f)) for f in factors}}
+
+
+def bigger_budget_line(fit: dict[str, Any] | None, budget_minutes: float | None) -> str:
+    """One sentence for the end of a run: what a bigger budget would likely give."""
+    if fit is None:
+        return "Too few validations in this run to extrapolate what a bigger budget would give."
+    at = fit["at"]
+    head = (f"With {budget_minutes * 2:g} / {budget_minutes * 4:g} minutes" if budget_minutes
+            else "With 2x / 4x the training")
+    return (f"{head}, this run's validation curve extrapolates to acceptance length {at['2x']:.2f} / "
+            f"{at['4x']:.2f} (now {fit['acceptance_length']:.2f} after {fit['steps']} steps; an extrapolation "
+            "of a log fit, not a measurement).")

@@ -1,0 +1,122 @@
+"""Budgets: the plan's arithmetic with synthetic rates (a fake machine), bad budgets, reuse of a
+stored plan, the training cut, and the extrapolation line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.pipeline import budget as B
+from draftsmith.pipeline.config import build_config
+
+# a slow CPU: a 64-prompt regeneration batch costs 20 s + 0.5 s per token, capture 2 ms per token,
+# training 1 ms per position, a decode step 40 ms
+SLOW = B.Rates(regen_batch_fixed=20.0, regen_batch_per_token=0.5, batch_size=64, reply_tokens=256,
+               prompt_tokens=120, capture_per_token=0.002, train_per_position=0.001, decode_per_token=0.04,
+               load_seconds=60.0)
+FAST = B.Rates(regen_batch_fixed=4.0, regen_batch_per_token=0.1, batch_size=64, reply_tokens=256,
+               prompt_tokens=120, capture_per_token=0.0004, train_per_position=0.0002, decode_per_token=0.01,
+               load_seconds=20.0)
+KW = dict(max_new_tokens=256, epochs=3.0, pack_tokens=1024, bench_max_new_tokens=128, bench_rows=2)
+
+
+@pytest.mark.parametrize("rates", [SLOW, FAST], ids=["slow", "fast"])
+@pytest.mark.parametrize("minutes", [10, 20, 40])
+def test_plan_fits_the_budget(rates, minutes):
+    plan = B.make_plan(minutes, rates, **KW)
+    assert plan.predicted_total * B.SAFETY <= minutes * 60 * 1.001
+    assert plan.predicted_total * B.SAFETY >= 0.85 * minutes * 60  # and uses it
+    assert plan.num_conversations >= B.MIN_CONVERSATIONS and plan.bench_prompts >= B.MIN_BENCH_PROMPTS
+    assert set(plan.predicted_seconds) == {"fixed", "regenerate", "capture", "train", "bench"}
+    assert "plan for" in plan.describe() and f"{plan.num_conversations} prompts" in plan.describe()
+
+
+def test_plan_by_hand():
+    plan = B.make_plan(20, FAST, **KW)
+    # per conversation: regenerate (4 + 256*0.1)/64, capture 376*0.0004, train 3*376*0.0002
+    per_conv = (4 + 25.6) / 64 + 376 * 0.0004 + 3 * 376 * 0.0002
+    bench_per_prompt = 2 * (120 * 0.0004 + 128 * 0.01)
+    bench_fixed = bench_per_prompt + 40 * 0.01 * 2
+    prompts = int((0.2 * 1200 / 1.1 - bench_fixed) // bench_per_prompt)
+    assert plan.bench_prompts == prompts
+    left = 1200 / 1.1 - 20.0 - (bench_fixed + prompts * bench_per_prompt)
+    n = int(left // per_conv) // 64 * 64  # whole batches
+    assert plan.num_conversations == n
+    # what the rounding left over goes to more epochs
+    spare = left - (n // 64) * (4 + 25.6) - n * 376 * 0.0004 - n * 3 * 376 * 0.0002
+    assert plan.epochs == pytest.approx(3 + spare / (n * 376 * 0.0002), abs=1e-3)
+
+
+def test_more_budget_more_data_slower_machine_less():
+    assert B.make_plan(40, SLOW, **KW).num_conversations > 1.8 * B.make_plan(20, SLOW, **KW).num_conversations
+    assert B.make_plan(20, FAST, **KW).num_conversations > 3 * B.make_plan(20, SLOW, **KW).num_conversations
+
+
+@pytest.mark.parametrize("bad", [0, -5, float("nan"), float("inf")])
+def test_bad_budgets_are_refused(bad):
+    with pytest.raises(DraftsmithError, match="budget"):
+        B.make_plan(bad, FAST, **KW)
+    with pytest.raises(DraftsmithError, match="budget"):
+        build_config(None, {"budget": bad})
+    with pytest.raises(DraftsmithError, match="budget"):
+        build_config(None, {"budget": "soon"})
+
+
+def test_too_small_a_budget_names_the_minimum():
+    with pytest.raises(DraftsmithError, match=r"too small .* it needs at least (\d+) minutes here") as e:
+        B.make_plan(2, SLOW, **KW)
+    need = int(str(e.value).split("at least ")[1].split(" ")[0])
+    B.make_plan(need, SLOW, **KW)  # the stated minimum is enough
+    with pytest.raises(DraftsmithError):
+        B.make_plan(need - 1, SLOW, **KW)
+
+
+def test_small_preset_is_a_twenty_minute_budget():
+    assert build_config(None, {}).budget == 20.0
+    assert build_config(None, {"preset": "tiny"}).budget is None
+    assert build_config(None, {"budget": 40}).budget == 40.0
+
+
+def test_stored_plan_is_reused_only_for_the_same_key(tmp_path):
+    plan = B.make_plan(20, FAST, **KW)
+    key = {"budget": 20, "machine": {"cpu": "x"}, "config": {"a": 1}}
+    B.save_plan(tmp_path / "plan.json", key, plan)
+    again = B.load_plan(tmp_path / "plan.json", key)
+    assert again is not None and again.num_conversations == plan.num_conversations
+    assert B.load_plan(tmp_path / "plan.json", {**key, "budget": 40}) is None
+    assert B.load_plan(tmp_path / "plan.json", {**key, "machine": {"cpu": "y"}}) is None
+    assert B.load_plan(tmp_path / "missing.json", key) is None
+
+
+def test_extrapolation_from_a_log_curve(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    # val acceptance = 1.2 + 0.1 * ln(step): the fit recovers it and carries it to 2x and 4x the steps
+    import math
+
+    path.write_text("".join(json.dumps({"step": s, "val_acceptance_length": 1.2 + 0.1 * math.log(s)}) + "\n"
+                            for s in (10, 20, 40, 80)))
+    fit = B.extrapolate(path)
+    assert fit["steps"] == 80 and fit["slope_per_log_step"] == pytest.approx(0.1)
+    assert fit["at"]["2x"] == pytest.approx(1.2 + 0.1 * math.log(160))
+    line = B.bigger_budget_line(fit, 20)
+    assert "40 / 80 minutes" in line and "extrapolation" in line
+    path.write_text(json.dumps({"step": 10, "val_acceptance_length": 1.3}) + "\n")
+    assert B.extrapolate(path) is None and "Too few" in B.bigger_budget_line(None, 20)
+
+
+def test_fit_training_uses_the_time_left_and_is_stored(tmp_path):
+    import dataclasses
+
+    cfg = build_config(None, {"out": str(tmp_path)})
+    plan = B.make_plan(20, FAST, **KW)
+    B.save_plan(tmp_path / "plan.json", {"k": 1}, plan)
+    tokens = int(plan.num_conversations * 200)  # replies came out shorter than planned: time to spare
+    fitted = B.fit_training(cfg, plan, tokens, elapsed=plan.predicted_seconds["regenerate"], out=tmp_path)
+    assert cfg.train.epochs < fitted.train.epochs <= 2 * cfg.train.epochs
+    stored = json.loads((tmp_path / "plan.json").read_text())["train_fit"]
+    # a rerun (cached steps, no time elapsed) trains exactly the same
+    again = B.fit_training(cfg, plan, tokens, elapsed=0.0, out=tmp_path)
+    assert again.train.epochs == fitted.train.epochs == stored["epochs"]
+    assert dataclasses.replace(cfg, train=again.train).train.max_minutes == stored["max_minutes"]

@@ -1,0 +1,203 @@
+"""The request-sized KV cache and the verifier runners: rollback by index, capacity, aux states, paths."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from draftsmith import generate
+from draftsmith.decoding.runner import runner_kind, verifier_runner
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.kv import KVCache
+from draftsmith.models.lean import LeanDecoder
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
+PATHS = ["lean", "hf-static", "hf-dynamic"]
+
+
+def _ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(2, 128, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _after_rollback(model, path, prompt, draft, n, new, wrong_by=0):
+    """Logits of ``new`` after verifying ``draft`` and keeping its first n (+ ``wrong_by``) tokens."""
+    with torch.inference_mode():
+        r = verifier_runner(model, 64, mode=path)
+        r.forward(prompt, 1)
+        r.forward(draft, draft.shape[0])
+        r.rollback(prompt.shape[0] + n + wrong_by)
+        return r.forward(new, new.shape[0])[0]
+
+
+def _fresh(model, path, prefix, new):
+    with torch.inference_mode():
+        r = verifier_runner(model, 64, mode=path)
+        r.forward(prefix, 1)
+        return r.forward(new, new.shape[0])[0]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("path", PATHS)
+def test_rollback_by_index_equals_fresh_forward(arch, path):
+    """Verify 5 drafts, keep 2, go on: the logits equal a fresh forward on the accepted prefix.
+
+    12 prompt tokens + drafts cross the sliding window (8) of mistral and gemma3."""
+    model = tiny_model(arch)
+    prompt, draft, new = _ids(12), _ids(5, 1), _ids(3, 2)
+    got = _after_rollback(model, path, prompt, draft, 2, new)
+    want = _fresh(model, path, torch.cat([prompt, draft[:2]]), new)
+    # Not bitwise: the kept keys came from a 5-token matmul, the fresh ones from a 14-token one.
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_wrong_rollback_is_detected(path):
+    """Negative control: keeping one rejected draft too many changes the logits far beyond tolerance."""
+    model = tiny_model("mistral")
+    prompt, draft, new = _ids(12), _ids(5, 1), _ids(3, 2)
+    got = _after_rollback(model, path, prompt, draft, 2, new, wrong_by=1)
+    want = _fresh(model, path, torch.cat([prompt, draft[:2]]), new)
+    assert (got - want).abs().max() > 1e-2
+
+
+def test_capacity_and_rollback_errors_are_clear():
+    model = tiny_model("llama")
+    for path in ("lean", "hf-static"):
+        with torch.inference_mode():
+            r = verifier_runner(model, 10, mode=path)
+            r.forward(_ids(8), 1)
+            with pytest.raises(DraftsmithError, match="KV cache full: 8 cached \\+ 3 new positions > capacity 10"):
+                r.forward(_ids(3), 3)
+            with pytest.raises(DraftsmithError, match="cannot roll the KV cache back to 9: it holds 8"):
+                r.rollback(9)
+    cache = KVCache(1, 2, 4, 4, torch.float32, "cpu")
+    with pytest.raises(DraftsmithError, match="cannot roll the KV cache back to -1"):
+        cache.rollback(-1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("path", PATHS)
+def test_aux_hidden_states_equal_transformers(arch, path):
+    """Only the asked layers come back, equal to transformers' ``hidden_states`` (last one: normed)."""
+    model = tiny_model(arch)
+    ids = _ids(10)
+    aux = (0, 1, 2)  # 2 = num_layers: the final normed output
+    with torch.inference_mode():
+        ref = model(ids[None], output_hidden_states=True)
+        r = verifier_runner(model, 16, mode=path)
+        logits, hidden = r.forward(ids, 10, aux)
+    want = torch.cat([ref.hidden_states[i][0] for i in aux], -1)
+    assert hidden.shape == (10, 3 * model.config.hidden_size)
+    if path == "lean":  # the same ops in the same order as transformers: bitwise
+        assert torch.equal(hidden, want) and torch.equal(logits, ref.logits[0])
+    torch.testing.assert_close(hidden, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lean_steps_bitwise_equal_transformers(arch):
+    """Prefill, one-token and multi-token steps of the lean forward: bitwise the transformers forward's."""
+    from transformers import DynamicCache
+
+    model = tiny_model(arch)
+    ids = _ids(30)
+    dec = LeanDecoder(model)
+    with torch.inference_mode():
+        dc, cache = DynamicCache(config=model.config), dec.new_cache(40)
+        for a, b in [(0, 12), (12, 13), (13, 17), (17, 18), (18, 19), (19, 25), (25, 26)]:
+            ref = model(ids[None, a:b], cache=dc, use_cache=True).logits[0]
+            got, _ = dec.forward(ids[a:b], torch.arange(a, b), cache, b - a)
+            cache.advance(b - a)
+            assert torch.equal(got, ref), (arch, a, b)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_static_mode_equals_eager(arch):
+    """The compiled path's attention (all slots, masked by position) equals the prefix one, run eagerly."""
+    model = tiny_model(arch)
+    dec = LeanDecoder(model)
+    ids = _ids(20)
+    with torch.inference_mode():
+        eager, static = dec.new_cache(32), dec.new_cache(32)
+        for c in (eager, static):
+            dec.forward(ids[:12], torch.arange(12), c, 1)
+            c.advance(12)
+        static.static = True
+        for a, b in [(12, 13), (13, 17), (17, 18)]:
+            want, _ = dec.forward(ids[a:b], torch.arange(a, b), eager, b - a)
+            got, _ = dec.forward(ids[a:b], torch.arange(a, b), static, None)
+            eager.advance(b - a)
+            static.advance(b - a)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_path_per_model():
+    """Supported models take the lean path; others run transformers' forward on the static cache."""
+    for arch in ARCHS:
+        assert runner_kind(tiny_model(arch)) == ("lean", None)
+    from conftest import _config
+    from transformers import AutoModelForCausalLM
+
+    cfg = _config("llama")
+    cfg._attn_implementation = "eager"
+    eager = AutoModelForCausalLM.from_config(cfg)
+    kind, why = runner_kind(eager)
+    assert kind == "hf-static" and "attention implementation 'eager'" in why
+    out = generate(eager.eval(), [5, 6, 7], max_new_tokens=3, eos_token_id=[])
+    assert out.stats["engine"] == "hf-static"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("path", ["hf-static", "hf-dynamic"])
+def test_greedy_equivalence_fallback_paths(arch, path):
+    """The transformers-forward paths decode like HF generate too, with a partially right drafter."""
+    from conftest import perturbed_copy
+    from test_engine import _hf_greedy, _prompt
+
+    from draftsmith.decoding import DraftModelProposer
+
+    verifier = tiny_model(arch)
+    prompt = _prompt(0)
+    want = _hf_greedy(verifier, prompt, 30)
+    partial = DraftModelProposer(perturbed_copy(verifier, noise=0.02))
+    for proposer in (None, partial):
+        out = generate(verifier, prompt, proposer=proposer, max_new_tokens=30, num_draft_tokens=3, eos_token_id=[],
+                       engine=path)
+        assert out.token_ids == want and out.stats["engine"] == path
+
+
+def test_models_do_not_import_decoding():
+    """Imports point down: nothing under models/ imports decoding when it loads."""
+    root = Path(__file__).resolve().parents[1] / "src" / "draftsmith" / "models"
+    for path in root.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+        assert not [m for m in names if m.startswith("draftsmith.decoding")], path.name
+
+
+@pytest.mark.slow
+def test_compiled_steps_equal_eager_and_are_reused():
+    """--compile: the same tokens as eager (plain and EAGLE-3 drafted), compiled once, reused on the next prompt."""
+    from test_eagle3 import _draft
+
+    from draftsmith.decoding import Eagle3Proposer
+
+    verifier = tiny_model("llama", layers=3)
+    prompts = [_ids(10, 3).tolist(), _ids(14, 4).tolist()]
+    d = _draft(verifier, vd=64)
+    d.config.aux_layer_ids = [0, 1, 3]
+    proposer = Eagle3Proposer(d)
+    for drafter in (None, proposer):
+        for i, prompt in enumerate(prompts):
+            eager = generate(verifier, prompt, proposer=drafter, max_new_tokens=24, num_draft_tokens=3,
+                             eos_token_id=[])
+            compiled = generate(verifier, prompt, proposer=drafter, max_new_tokens=24, num_draft_tokens=3,
+                                eos_token_id=[], compile=True)
+            assert compiled.token_ids == eager.token_ids
+            assert compiled.stats["engine"] == "lean+compiled"
+            assert (compiled.stats["compile_seconds"] > 0) == (i == 0)  # the second prompt reuses the graphs
