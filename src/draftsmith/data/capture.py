@@ -33,13 +33,12 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 
 from draftsmith.data.conversation import Conversation, require_conversations
-from draftsmith.data.shards import (SHARD_FORMAT, disk_error, resume_entries, sha256_file, shard_name, write_manifest,
-                                    write_shard)
+from draftsmith.data.shards import SHARD_FORMAT, resume_entries, sha256_file, shard_name, write_manifest, write_shard
 from draftsmith.data.tokenize import TokenizedConversation, TooLong, fit, tokenize_conversation
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.eagle3 import default_aux_layer_ids
 from draftsmith.models.verifier import context_length, text_config
-from draftsmith.utils import environment_info, resolve_dtype
+from draftsmith.utils import environment_info, resolve_dtype, write_error
 
 log = logging.getLogger(__name__)
 
@@ -399,7 +398,7 @@ def capture_to_shards(model: torch.nn.Module, tokenizer: Any, conversations: Ite
         for stale in out_dir.glob(".shard-*"):  # temp files of a killed run (never renamed into place)
             stale.unlink()
     except OSError as e:
-        raise disk_error(e, out_dir) from e
+        raise write_error(e, out_dir, "completed shards") from e
 
     windows = range(0, len(convs), samples_per_shard)
     shards: list[dict[str, Any]] = []

@@ -23,7 +23,7 @@ from draftsmith.data.generation import Reply, ReplySource, eos_ids, generate_bat
 from draftsmith.decoding.sampling import SamplingParams
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.verifier import context_length
-from draftsmith.utils import complete_lines, write_failure
+from draftsmith.utils import complete_lines, write_error
 
 log = logging.getLogger(__name__)
 
@@ -190,8 +190,7 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
                 os.fsync(f.fileno())
                 bar.set_postfix_str(f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.1f} tok/s")
     except OSError as e:
-        raise DraftsmithError(f"cannot write {out_path}: {write_failure(e)}; the {len(done)} finished replies are kept "
-                              "there, free space and re-run to continue") from e
+        raise write_error(e, out_path, f"the {len(done)} finished replies") from e
     finally:
         bar.close()
         getattr(answers, "close", lambda: None)()  # a source stops its requests on an error or Ctrl-C
@@ -221,15 +220,10 @@ def load_regenerated(path: Path) -> list[Conversation]:
         DraftsmithError: missing file or a malformed line (named).
     """
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise DraftsmithError(f"cannot read regenerated data {path}: {e.strerror or e}") from e
-    end = data.rfind(b"\n") + 1
-    if end < len(data):
-        log.warning("%s: ignoring a torn last line (interrupted run; re-run regenerate to finish it)", path)
+    if not path.is_file():
+        raise DraftsmithError(f"cannot read regenerated data {path}: no such file (run regenerate first)")
     out = []
-    for n, raw in enumerate(data[:end].splitlines(), start=1):
+    for n, raw in enumerate(complete_lines(path, cut=False), start=1):
         if not raw.strip():
             continue
         try:

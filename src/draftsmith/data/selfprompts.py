@@ -37,7 +37,7 @@ from draftsmith.data.sources import remove_eval_overlap
 from draftsmith.data.tokenize import render_chat, text_ids
 from draftsmith.decoding.sampling import SamplingParams
 from draftsmith.errors import DraftsmithError
-from draftsmith.utils import complete_lines, write_failure
+from draftsmith.utils import complete_lines, write_error
 
 SELF_DATASET = "self"
 #: Sampling for the requests (not the replies): Magpie samples at temperature 1;
@@ -200,8 +200,7 @@ def write_self_prompts(model: torch.nn.Module, tokenizer: Any, n: int, attempts_
                 bar.update(len(kept) - before)
                 bar.set_postfix_str(f"{len(attempts)} attempts, {time.perf_counter() - t0:.0f} s")
     except OSError as e:
-        raise DraftsmithError(f"cannot write {attempts_path}: {write_failure(e)}; the {len(attempts)} finished "
-                              "attempts are kept there, free space and re-run to continue") from e
+        raise write_error(e, attempts_path, f"the {len(attempts)} finished attempts") from e
     finally:
         bar.close()
     counts["next_skip"] = skip + len(attempts)
