@@ -24,6 +24,7 @@ from draftsmith.bench.verdict import OutputVerdict, compare_outputs, model_score
 from draftsmith.decoding.proposers import DraftContext, Proposal, Proposer
 from draftsmith.decoding.sampling import SamplingParams
 from draftsmith.engines import OURS
+from draftsmith.utils import progress_bar
 
 
 def _sync(device: torch.device) -> None:
@@ -332,14 +333,11 @@ def measure_interleaved(state: BenchState, max_new_tokens: int, temperature: flo
     The row order rotates from prompt to prompt so no row is always first (cold
     caches) or last; results land in ``state`` as they come, so an interrupt keeps them.
     """
-    from tqdm import tqdm
-
     device = next(state.rows[0].model.parameters()).device
     prompts = [torch.as_tensor(ids, dtype=torch.long, device=device) for _, ids in state.prompts]
     n_rows = len(state.rows)
     total = n_rows * (1 + repeats * len(prompts))
-    with tqdm(total=total, desc="bench", unit="run", disable=not progress, file=sys.stderr,
-              dynamic_ncols=True) as bar:
+    with progress_bar(total, "bench", "run", progress, file=sys.stderr) as bar:
         for row in state.rows:
             bar.set_postfix_str(f"warm-up {row.name}")
             row(prompts[0], min(warmup_tokens, max_new_tokens), temperature, seed)
