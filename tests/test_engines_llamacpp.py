@@ -19,10 +19,10 @@ import torch
 from conftest import require_engine, smollm2_tokenizer
 from draft_factory import random_draft, tiny_verifier
 from draftsmith.cli import main
-from draftsmith.engines.llamacpp import (LlamaCppEngine, check_gguf_pair, draft_gguf, find_build, parse_metrics,
-                                        read_gguf, verifier_gguf)
+from draftsmith.engines.llamacpp import (LlamaCppEngine, check_gguf_pair, draft_gguf, export_gguf, find_build,
+                                        parse_metrics, read_gguf, verifier_gguf)
 from draftsmith.errors import DraftsmithError
-from draftsmith.export import export_gguf, save_draft
+from draftsmith.export import save_draft
 
 pytestmark = pytest.mark.engines
 
