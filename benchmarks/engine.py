@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
 
-    from draftsmith.bench.measure import BenchState, Row, _environment, _load_eval_prompts, measure_interleaved
+    from draftsmith.bench.measure import BenchState, Row, environment, load_eval_prompts, measure_interleaved
     from draftsmith.bench.stats import bootstrap_ci, paired_ratios, summarize
     from draftsmith.decoding.proposers import NgramProposer
     from draftsmith.models.verifier import load_verifier
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, tokenizer, fp = load_verifier(args.verifier, dtype=args.dtype, device=args.device)
-    prompts = _load_eval_prompts("mt-bench", tokenizer, args.num_prompts)
+    prompts = load_eval_prompts("mt-bench", tokenizer, args.num_prompts)
     k = args.num_draft_tokens
     rows = [Row("hf-generate", "hf-generate", model), Row("hf-prompt-lookup", "hf-prompt-lookup", model, k=k),
             Row("ours-plain", "plain", model), Row("ours-ngram", "drafter", model, "ngram", k, NgramProposer())]
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                      "torch_threads": torch.get_num_threads(),
                      "hf_max_matching_ngram_size": "transformers default (2)", "ours_max_ngram": 3,
                      "ours_ngram_draft_length": "adaptive (NgramProposer default), at most k"},
-        "environment": _environment(),
+        "environment": environment(),
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "tokens_per_second": {name: summarize(v) for name, v in tps.items()},
         "ratios": {"ours-plain / hf-generate": plain_vs_hf, "ours-ngram / hf-prompt-lookup": ngram_vs_pld,

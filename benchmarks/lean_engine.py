@@ -100,7 +100,7 @@ def eagle3_draft(model, vocab: int):
 # ----------------------------------------------------------------------------------------- 1. plain loop
 def section_plain(args, model, tok, out: dict) -> None:
     from draftsmith import generate
-    from draftsmith.bench import bootstrap_ci, paired_ratios, summarize
+    from draftsmith.bench.stats import bootstrap_ci, paired_ratios, summarize
 
     device = next(model.parameters()).device
     gen_cfg = model.generation_config
@@ -382,12 +382,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.rss_child:
         rss_child(args)
         return 0
-    from draftsmith.bench import _environment
+    from draftsmith.bench.measure import environment
 
     model, tok, label = load(args)
     out: dict[str, Any] = {"verifier": label, "dtype": args.dtype, "device": str(next(model.parameters()).device),
                            "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-                           "environment": _environment(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                           "environment": environment(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                            "load_average_start": os.getloadavg()}
     t0 = time.time()
     if "plain" in args.sections:
@@ -422,8 +422,9 @@ def report(out: dict) -> None:
     if "context" in out:
         c = out["context"]
         for p, curve in c["median_ms"].items():
+            ratio = c["step_1024_over_128"][p]
             print(f"[context] {p:14s} " + "  ".join(f"{C}: {ms:.1f} ms" for C, ms in curve.items())
-                  + f"   1024/128 = {c['step_1024_over_128'][p]:.3f}")
+                  + (f"   1024/128 = {ratio:.3f}" if ratio is not None else ""))
     if "draft" in out:
         d = out["draft"]
         print(f"[draft] at {d['context']} cached: " + "  ".join(f"{k}: {v:.2f} ms" for k, v in d["median_ms"].items()))

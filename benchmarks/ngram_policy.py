@@ -67,14 +67,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from draftsmith.bench.measure import _load_eval_prompts, measure_verify_costs
+    from draftsmith.bench.measure import load_eval_prompts, measure_verify_costs
     from draftsmith.decoding.engine import generate
     from draftsmith.decoding.proposers import DraftContext, NgramProposer
     from draftsmith.decoding.sampling import SamplingParams
     from draftsmith.models.verifier import load_verifier
 
     model, tokenizer, fp = load_verifier(args.verifier, dtype="float32")
-    prompts = _load_eval_prompts("mt-bench", tokenizer, args.num_prompts)
+    prompts = load_eval_prompts("mt-bench", tokenizer, args.num_prompts)
     outs = [(pid, ids, generate(model, ids, max_new_tokens=args.max_new_tokens).token_ids) for pid, ids in prompts]
     context = prompts[0][1] + outs[0][2][: args.max_new_tokens // 2]
     t_verify = measure_verify_costs(model, context, range(1, args.num_draft_tokens + 2))

@@ -36,7 +36,7 @@ def main() -> None:
 
     from transformers import DynamicCache
 
-    from draftsmith.bench.measure import _environment
+    from draftsmith.bench.measure import environment
     from draftsmith.bench.verdict import TIE_ULPS, ulp
     from draftsmith.data.sources import eval_set
     from draftsmith.models.verifier import load_verifier
@@ -74,7 +74,7 @@ def main() -> None:
                for name, v in deltas.items()}
     result = {"verifier": args.verifier, "fingerprint": fp, "dtype": str(dtype), "k": args.k,
               "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "tie_ulps": TIE_ULPS,
-              "summary": summary, "environment": _environment()}
+              "summary": summary, "environment": environment()}
     print(json.dumps(summary, indent=1))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

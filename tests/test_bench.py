@@ -272,18 +272,18 @@ class _CharTokenizer:
 
 
 def test_eval_prompt_loaders(tmp_path):
-    mt = measure._load_eval_prompts("mt-bench", _CharTokenizer(), None)
+    mt = measure.load_eval_prompts("mt-bench", _CharTokenizer(), None)
     assert len(mt) == 80 and mt[0][0] == "81" and mt[0][1][:4] == [ord(c) for c in "Comp"]
-    he = measure._load_eval_prompts("humaneval", _CharTokenizer(), 3)
+    he = measure.load_eval_prompts("humaneval", _CharTokenizer(), 3)
     assert [pid for pid, _ in he] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "ab"}\n\n{"id": "q", "messages": [{"role": "user", "content": "cd"}, '
                  '{"role": "assistant", "content": "x"}]}\n{"turns": ["ef", "gh"]}\n')
-    assert measure._load_eval_prompts(str(f), _CharTokenizer(), None) == [
+    assert measure.load_eval_prompts(str(f), _CharTokenizer(), None) == [
         ("p.jsonl:1", [97, 98]), ("q", [99, 100]), ("p.jsonl:4", [101, 102])]
     f.write_text('{"answer": 1}\n')
     with pytest.raises(DraftsmithError, match="line 1"):
-        measure._load_eval_prompts(str(f), _CharTokenizer(), None)
+        measure.load_eval_prompts(str(f), _CharTokenizer(), None)
 
 
 @pytest.mark.slow

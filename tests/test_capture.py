@@ -443,6 +443,10 @@ def test_regenerated_records(tok, tmp_path):
     back = R.load_regenerated(path)
     assert [c.id for c in back] == [r["id"] for r in recs] and all(c.has_assistant for c in back)
     assert len(list(C.capture_samples(m, tok, back))) == 5
+    # a torn last line (a run still writing, or killed) is left out, and the reader leaves the file as it is
+    torn = path.read_bytes() + b'{"id": "q9", "mess'
+    path.write_bytes(torn)
+    assert [c.id for c in R.load_regenerated(path)] == [c.id for c in back] and path.read_bytes() == torn
     # greedy replies do not depend on the batch a prompt shares (left padding is masked)
     alone = regen(m, tok, convs, tmp_path / "one.jsonl", max_new_tokens=6, fingerprint=FP, batch_size=1)
     assert {r["id"]: r for r in map(json.loads, alone.read_text().splitlines())} == by_id

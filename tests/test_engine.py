@@ -89,16 +89,17 @@ def test_eos_stops_inside_accepted_tokens():
     plain = generate(verifier, prompt, max_new_tokens=30, eos_token_id=[]).token_ids
     eos = plain[7]
     first = plain.index(eos)
-    for drafter in (None, DraftModelProposer(verifier)):
+    for drafter in (None, DraftModelProposer(verifier), _drafters("llama")["partial"]):
         out = generate(verifier, prompt, proposer=drafter, max_new_tokens=30, eos_token_id=eos)
         assert out.token_ids == plain[: first + 1]
 
 
 @pytest.mark.parametrize("budget", [1, 2, 5, 7, 13])
-def test_max_new_tokens_never_exceeded(budget):
+@pytest.mark.parametrize("drafter", ["perfect", "partial"])
+def test_max_new_tokens_never_exceeded(budget, drafter):
     verifier = tiny_model("llama")
     plain = generate(verifier, _prompt(4), max_new_tokens=budget, eos_token_id=[]).token_ids
-    out = generate(verifier, _prompt(4), proposer=DraftModelProposer(verifier), max_new_tokens=budget,
+    out = generate(verifier, _prompt(4), proposer=_drafters("llama")[drafter], max_new_tokens=budget,
                    num_draft_tokens=5, eos_token_id=[])
     assert len(out.token_ids) == budget and out.token_ids == plain
 

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import smollm2_tokenizer
+from conftest import require_engine, smollm2_tokenizer
 from draft_factory import random_draft, tiny_verifier
 from draftsmith.cli import main
-from draftsmith.engines.llamacpp import (LlamaCppEngine, check_gguf_pair, draft_gguf, find_build, parse_metrics,
-                                        read_gguf, verifier_gguf)
+from draftsmith.engines.llamacpp import (LlamaCppEngine, check_gguf_pair, draft_gguf, export_gguf, find_build,
+                                        parse_metrics, read_gguf, verifier_gguf)
 from draftsmith.errors import DraftsmithError
-from draftsmith.export import export_gguf, save_draft
+from draftsmith.export import save_draft
 
 pytestmark = pytest.mark.engines
 
@@ -35,12 +35,7 @@ DRAFT_VOCAB = 4096
 
 
 def _build():
-    try:
-        return find_build()
-    except DraftsmithError as e:
-        if os.environ.get("DRAFTSMITH_ENGINES_OPTIONAL") == "1":
-            pytest.skip(f"{e}; skipped because DRAFTSMITH_ENGINES_OPTIONAL=1")
-        pytest.fail(f"{e}; set DRAFTSMITH_ENGINES_OPTIONAL=1 to skip instead", pytrace=False)
+    return require_engine(find_build)
 
 
 def _alive(pid: int) -> bool:

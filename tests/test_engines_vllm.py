@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import require_engine
+
 from draft_factory import random_draft
 from draftsmith.data.regenerate import regenerate
 from draftsmith.data.chat import encode_chat
@@ -35,12 +37,7 @@ engines = pytest.mark.engines
 
 
 def _require_vllm() -> Path:
-    try:
-        return vllm_python()
-    except DraftsmithError as e:
-        if os.environ.get("DRAFTSMITH_ENGINES_OPTIONAL") == "1":
-            pytest.skip(f"{e}; skipped because DRAFTSMITH_ENGINES_OPTIONAL=1")
-        pytest.fail(f"{e}; set DRAFTSMITH_ENGINES_OPTIONAL=1 to skip instead", pytrace=False)
+    return require_engine(vllm_python)
 
 
 def _group_members(pgid: int) -> list[int]:

@@ -6,7 +6,7 @@ import numpy as np
 
 from draftsmith.gate import GateSection, choose_k, gate, summarize_drafter
 
-PROMPTS = [f"p{i}" for i in range(8)]
+PROMPTS = [f"p{i}" for i in range(12)]
 
 
 def _row(k: int, ratios: list[float], outputs=None, label: str = "candidate") -> dict:
@@ -51,8 +51,8 @@ def test_a_median_whose_interval_holds_one_passes_the_old_rule_not_the_new():
 
 
 def test_a_clear_speedup_passes():
-    report = _report(_row(2, [1.30, 1.35, 1.40, 1.32, 1.28, 1.45, 1.38, 1.33]),
-                     _row(3, [1.25, 1.42, 1.36, 1.50, 1.31, 1.40, 1.29, 1.44]))
+    report = _report(_row(2, [1.30, 1.35, 1.40, 1.32, 1.28, 1.45, 1.38, 1.33, 1.36, 1.31]),
+                     _row(3, [1.25, 1.42, 1.36, 1.50, 1.31, 1.40, 1.29, 1.44, 1.37, 1.33]))
     s = summarize_drafter(report, "candidate")
     v = gate(s, None, GateSection())
     assert v["passed"], v["reasons"]
@@ -64,6 +64,16 @@ def test_too_few_prompts_to_choose_apart_fails():
     assert s["judged_prompts"] == 0
     v = gate(s, None, GateSection(min_speedup=1.0))
     assert not v["passed"] and any("too few prompts" in r for r in v["reasons"])
+
+
+def test_four_prompts_all_faster_are_not_enough():
+    """All of 4 prompts faster happens by chance 1 time in 16 with no effect: not evidence."""
+    s = summarize_drafter(_report(_row(3, [1.5, 1.6, 1.55, 1.7])), "candidate")
+    assert s["speedup_ci95"][0] > 1.0 and s["judged_prompts"] == 4
+    v = gate(s, None, GateSection())
+    assert not v["passed"] and any("too few prompts to judge" in r for r in v["reasons"])
+    five = summarize_drafter(_report(_row(3, [1.5, 1.6, 1.55, 1.7, 1.52])), "candidate")
+    assert gate(five, None, GateSection())["passed"]
 
 
 def test_outputs_mismatch_fails_ties_pass_unless_strict():

@@ -42,7 +42,7 @@ def tiny_setup(tmp_path_factory):
         "data": {"dataset": str(data), "num_conversations": 4, "max_new_tokens": 48, "batch_size": 4,
                  "max_length": 128, "dtype": "float32"},
         "train": {"epochs": 10, "lr": 3e-3, "draft_vocab_size": 128, "pack_tokens": 128, "eval_every": 10},
-        "bench": {"num_prompts": 4, "max_new_tokens": 48, "num_draft_tokens": [3], "hf_reference": False},
+        "bench": {"num_prompts": 6, "max_new_tokens": 48, "num_draft_tokens": [3], "hf_reference": False},
     }))
     return verifier, config
 
@@ -189,10 +189,9 @@ def test_local_subprocess_run_gate_pass_then_fail(tiny_setup, tmp_path):
     ours = read_draft(tmp_path / "cli" / "draft").state_dict()
     assert all(torch.equal(t, ours[k]) for k, t in draft.state_dict().items())
 
-    # the same run in bfloat16 (the GPU path, as far as a CPU runs it), an unreachable threshold:
-    # the gate fails and export is skipped
-    strict = build_config(str(config), {"gate": {"min_speedup": 100.0}, "dtype": "bfloat16",
-                                         "data": {**yaml.safe_load(config.read_text())["data"], "dtype": "bfloat16"}})
+    # the same data, training and bench in bfloat16 (the GPU path, as far as a CPU runs it), an
+    # unreachable threshold: the gate fails and export is skipped
+    strict = build_config(str(config), {"gate": {"min_speedup": 100.0}, "dtype": "bfloat16"})
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "fail"),
                workspace_root=str(tmp_path / "workspace"), enable_caching=True, cache_root=str(cache))
     K.build_pipeline(strict, image="draftsmith:local")()
@@ -203,7 +202,7 @@ def test_local_subprocess_run_gate_pass_then_fail(tiny_setup, tmp_path):
     assert not (run / "export").exists()
     bf16 = json.loads((run / "bench" / "report" / "report.json").read_text())
     assert bf16["provenance"]["dtype"] == "bfloat16"
-    assert not (run / "train").exists()  # served from the cache: the gate's slice alone changed
+    assert not (run / "capture").exists()  # served from the cache: the data steps' slices did not change
     del kfp
 
 

@@ -17,7 +17,7 @@ from draftsmith import generate
 from draftsmith.bench.verdict import compare_outputs, count_kinds, model_scorer, tie_tolerance, ulp
 from draftsmith.decoding import DraftModelProposer
 from draftsmith.decoding import engine as engine_mod
-from draftsmith.decoding.verify import greedy_accept
+from draftsmith.decoding.verify import greedy_verify
 
 
 def test_ulp_and_tolerance_by_hand():
@@ -71,16 +71,16 @@ def _prompts(n: int, vocab: int = 128):
 
 def _off_by_one(draft, target_logits):
     """Planted bug: one draft token more than the verifier agreed to."""
-    n, _ = greedy_accept(draft, target_logits)
+    n = int(greedy_verify(draft, target_logits)[0])
     if n < draft.shape[0]:
         n += 1
-    return n, int(target_logits.argmax(-1)[n])
+    return torch.tensor([n, int(target_logits.argmax(-1)[n])])
 
 
 def _unchecked(draft, target_logits):
     """Planted bug: every drafted token accepted without looking."""
     k = draft.shape[0]
-    return k, int(target_logits.argmax(-1)[k])
+    return torch.tensor([k, int(target_logits.argmax(-1)[k])])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -90,7 +90,7 @@ def test_planted_acceptance_bugs_are_mismatches_never_ties(monkeypatch, bug, dty
     drafter = DraftModelProposer(copy.deepcopy(tiny_model("llama", seed=7)).to(dtype))  # random: nearly always wrong
     score = model_scorer(verifier)
     plain = {i: generate(verifier, p, max_new_tokens=24, eos_token_id=[]).token_ids for i, p in enumerate(_prompts(6))}
-    monkeypatch.setattr(engine_mod, "greedy_accept", bug)
+    monkeypatch.setattr(engine_mod, "greedy_verify", bug)
     verdicts = []
     for i, p in enumerate(_prompts(6)):
         spec = generate(verifier, p, proposer=drafter, max_new_tokens=24, num_draft_tokens=3, eos_token_id=[])

@@ -152,7 +152,8 @@ class ExportConfig:
 def run_export(cfg: ExportConfig) -> int:
     from pathlib import Path
 
-    from draftsmith.export import export_gguf, save_draft, serve_commands
+    from draftsmith.engines.llamacpp import export_gguf
+    from draftsmith.export import save_draft, serve_commands
     from draftsmith.models.speculators import read_draft, read_provenance
     from draftsmith.models.verifier import load_verifier
 

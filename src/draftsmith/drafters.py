@@ -7,9 +7,8 @@ from pathlib import Path
 import torch
 
 from draftsmith.decoding.cross_tokenizer import CrossTokenizerProposer
-from draftsmith.decoding.proposers import DraftModelProposer, NgramProposer, Proposer
+from draftsmith.decoding.proposers import DraftModelProposer, Eagle3Proposer, NgramProposer, Proposer
 from draftsmith.errors import DraftsmithError
-from draftsmith.decoding.proposers import Eagle3Proposer
 from draftsmith.models.speculators import read_config, read_draft, validate_against_verifier
 from draftsmith.models.verifier import text_config
 

@@ -6,27 +6,23 @@ A deployable draft directory is a speculators-format draft
 
     README.md          model card with the ``vllm serve`` commands and what draftsmith measured
 
-:func:`export_gguf` writes the same draft as the GGUF llama.cpp's ``draft-eagle3``
-serves, with llama.cpp's own converter, after refusing what llama.cpp would compute
-differently.
+The GGUF that llama.cpp's ``draft-eagle3`` serves is written by
+:func:`draftsmith.engines.llamacpp.export_gguf`, with llama.cpp's own converter.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from draftsmith.errors import DraftsmithError
 from draftsmith.models.eagle3 import Eagle3Draft
-from draftsmith.models.speculators import (CONFIG_FILE, DTYPE_NAMES, PROVENANCE_FILE, WEIGHTS_FILE, read_config,
-                                          read_draft, read_provenance, validate_against_verifier, weight_dtype,
-                                          write_draft)
-from draftsmith.utils import atomic_write_bytes, atomic_write_json, cache_dir
+from draftsmith.models.speculators import (CONFIG_FILE, PROVENANCE_FILE, WEIGHTS_FILE, read_config,
+                                          read_provenance, write_draft)
+from draftsmith.utils import atomic_write_bytes, atomic_write_json
 
 CARD_FILE = "README.md"
 
@@ -156,83 +152,3 @@ def model_card(config: dict[str, Any], prov: dict[str, Any], draft_dir: str | Pa
         lines.append(f"- exported from: {_fmt(prov['source'])}")
     lines += [f"- full record: `{PROVENANCE_FILE}`", ""]
     return "\n".join(lines)
-
-
-# ============================================================================ GGUF (llama.cpp)
-def _named_verifier(draft_dir: Path) -> str | None:
-    """``speculators_config.verifier.name_or_path`` of a draft directory, unparsed otherwise."""
-    f = draft_dir / CONFIG_FILE
-    try:
-        raw = json.loads(f.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None  # read_config below names the problem
-    spec = raw.get("speculators_config") if isinstance(raw, dict) else None
-    verifier = spec.get("verifier") if isinstance(spec, dict) else None
-    name = verifier.get("name_or_path") if isinstance(verifier, dict) else None
-    return name if isinstance(name, str) else None
-
-
-def export_gguf(draft_dir: str | Path, out: str | Path, *, verifier: str | None = None,
-                dtype: str | torch.dtype | None = None, build: Any = None) -> Path:
-    """Write a draft as the GGUF that llama.cpp's ``--spec-type draft-eagle3`` loads.
-
-    The draft is checked against its verifier (hidden size, vocabulary, aux layers)
-    and against what llama.cpp's eagle3 graph implements, converted by llama.cpp's own
-    ``convert_hf_to_gguf.py`` (which takes the vocabulary from the verifier), and the
-    file is read back and checked against the draft before it replaces ``out``.
-
-    Args:
-        draft_dir: a speculators-format EAGLE-3 draft directory.
-        out: the ``.gguf`` file to write.
-        verifier: the verifier (alias, .gguf, HF directory); default: the one the draft names.
-        dtype: weight dtype (None/"auto": the draft's own).
-        build: a :class:`~draftsmith.engines.llamacpp.LlamaCppBuild` (default: the Makefile's).
-
-    Returns:
-        ``out``.
-
-    Raises:
-        DraftsmithError: the build is missing, the verifier is not on this machine, the
-            draft does not match it, or llama.cpp would compute the draft differently.
-    """
-    import tempfile
-
-    from transformers import AutoConfig
-
-    from draftsmith.engines.llamacpp import (OUTTYPES, check_draft_gguf, check_draft_supported, convert_hf_to_gguf,
-                                             find_build)
-    from draftsmith.models.verifier import resolve_spec
-
-    build = build or find_build()  # before any work: without the converter nothing can be written
-    src, out = Path(draft_dir), Path(out)
-    if out.suffix != ".gguf":
-        raise DraftsmithError(f"--out {str(out)!r}: a GGUF export is one file; name it *.gguf")
-    name = verifier or _named_verifier(src)
-    if name is None:
-        read_config(src, verifier_layers=1)  # a missing or broken config.json is the first thing to report
-        raise DraftsmithError(f"draft {str(src)!r} names no verifier (speculators_config.verifier.name_or_path); "
-                              "pass --verifier: llama.cpp's converter takes the vocabulary from it")
-    try:
-        vdir = resolve_spec(name)
-    except DraftsmithError as e:
-        raise DraftsmithError(f"{e}; a GGUF export needs the verifier on this machine (pass --verifier)") from None
-    vconfig = AutoConfig.from_pretrained(vdir)
-    layers = vconfig.get_text_config().num_hidden_layers
-    cfg, _ = read_config(src, verifier_layers=layers)
-    validate_against_verifier(cfg, vconfig, what=f"draft {str(src)!r} (for verifier {name!r})")
-    draft = read_draft(src, verifier_layers=layers)
-    check_draft_supported(draft.config, has_embedding=not draft.embed_tokens_from_verifier, what=f"draft {str(src)!r}")
-    wdtype = weight_dtype(dtype, draft.fc.weight.dtype)
-    d2t = draft.draft_to_target.tolist() if cfg.draft_vocab_size < cfg.vocab_size else None
-    staged_gguf = out.with_name(f".{out.name}.{os.getpid()}.staged")
-    try:
-        with tempfile.TemporaryDirectory(prefix="draftsmith-gguf-") as tmp:
-            # the converter reads exactly what we validated: our own speculators write of the draft
-            staged = save_draft(draft, Path(tmp) / "draft", verifier_name=str(vdir), dtype=wdtype, verifier=vconfig)
-            convert_hf_to_gguf(staged, staged_gguf, outtype=OUTTYPES[DTYPE_NAMES[wdtype]], target_model_dir=vdir,
-                               build=build, log_path=cache_dir() / "llamacpp" / "logs" / f"convert-{out.stem}.log")
-        check_draft_gguf(staged_gguf, draft.config, d2t)
-        os.replace(staged_gguf, out)
-    finally:
-        staged_gguf.unlink(missing_ok=True)
-    return out

@@ -8,9 +8,10 @@ A draft passes only on evidence that luck cannot supply:
 * **k chosen apart from the judgement**: with one k measured, that k; with several,
   k is chosen on every other prompt (the even positions) and judged on the rest, so
   the luckiest k of a sweep is not also the one whose numbers decide;
-* **a speedup the interval supports**: on the judged prompts, the lower end of the 95%
-  bootstrap interval of the paired per-prompt speedup is above 1.0 and the median
-  reaches ``min_speedup``;
+* **a speedup the interval supports**: on at least :data:`MIN_JUDGED_PROMPTS` judged
+  prompts, the lower end of the 95% bootstrap interval of the paired per-prompt speedup
+  is above 1.0 and the median reaches ``min_speedup`` (with fewer prompts, even "faster on
+  every one" happens by chance more than once in twenty when a draft has no effect);
 * and, optionally, it is not slower than the previous draft of the same verifier.
 """
 
@@ -25,6 +26,10 @@ from draftsmith.bench.stats import bootstrap_ci
 from draftsmith.config import opt
 from draftsmith.engines import ENGINES, OURS
 from draftsmith.errors import DraftsmithError
+
+#: fewest prompts a speedup is judged on: all n faster by chance has probability 2**-n
+#: under no effect (a sign test), below 0.05 from n = 5 on
+MIN_JUDGED_PROMPTS = 5
 
 
 @dataclass
@@ -135,8 +140,10 @@ def gate(candidate: dict[str, Any] | None, previous: dict[str, Any] | None, sect
         pct = round(100 * (1 - s))
         slower = f" (it makes decoding {pct}% slower)" if pct > 0 else ""
         reasons.append(f"measured speedup {s:.2f}x is below the gate's {section.min_speedup:.2f}x{slower}")
-    if not candidate.get("judged_prompts"):
-        reasons.append("too few prompts to choose k apart from judging it: measure one k, or more prompts")
+    judged = candidate.get("judged_prompts") or 0
+    if judged < MIN_JUDGED_PROMPTS:
+        reasons.append(f"too few prompts to judge a speedup: {judged} judged, at least {MIN_JUDGED_PROMPTS} needed "
+                       "(k is chosen on every other prompt when several are measured: bench more prompts, or one k)")
     elif ci is None or ci[0] <= 1.0:
         lo, hi = ci or (float("nan"), float("nan"))
         reasons.append(f"the 95% interval of the speedup [{lo:.2f}, {hi:.2f}] (over {candidate['judged_prompts']} "

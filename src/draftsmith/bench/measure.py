@@ -24,6 +24,7 @@ from draftsmith.bench.verdict import OutputVerdict, compare_outputs, model_score
 from draftsmith.decoding.proposers import DraftContext, Proposal, Proposer
 from draftsmith.decoding.sampling import SamplingParams
 from draftsmith.engines import OURS
+from draftsmith.utils import progress_bar
 
 
 def _sync(device: torch.device) -> None:
@@ -296,7 +297,7 @@ def measure_draft_costs(model: torch.nn.Module, proposer: Proposer, prompt: Sequ
     return out
 
 
-def _load_eval_prompts(dataset: str, tokenizer: object, limit: int | None) -> list[tuple[str, list[int]]]:
+def load_eval_prompts(dataset: str, tokenizer: object, limit: int | None) -> list[tuple[str, list[int]]]:
     """Eval prompts as ``(prompt id, token ids)`` from the dataset registry (first user turns)."""
     from draftsmith.data.sources import eval_set
 
@@ -304,7 +305,7 @@ def _load_eval_prompts(dataset: str, tokenizer: object, limit: int | None) -> li
 
 
 
-def _load_average() -> float | None:
+def load_average() -> float | None:
     """1-minute load average (None where the OS has none): other work on the machine skews timings."""
     try:
         return os.getloadavg()[0]
@@ -312,7 +313,7 @@ def _load_average() -> float | None:
         return None
 
 
-def _environment() -> dict[str, Any]:
+def environment() -> dict[str, Any]:
     from draftsmith.utils import environment_info
 
     env = environment_info()
@@ -339,10 +340,10 @@ class BenchState:
     partial: bool = False
     note: str = ""
     started: float = field(default_factory=time.time)
-    load_at_start: float | None = field(default_factory=lambda: _load_average())
+    load_at_start: float | None = field(default_factory=lambda: load_average())
 
 
-def _build_rows(model: torch.nn.Module, proposers: dict[str, Proposer], ks: Sequence[int],
+def build_rows(model: torch.nn.Module, proposers: dict[str, Proposer], ks: Sequence[int],
                 hf_reference: bool, hf_lookup_tokens: int | None) -> list[Row]:
     rows = [Row("plain (ours)", "plain", model)]
     for name, prop in proposers.items():
@@ -361,14 +362,11 @@ def measure_interleaved(state: BenchState, max_new_tokens: int, temperature: flo
     The row order rotates from prompt to prompt so no row is always first (cold
     caches) or last; results land in ``state`` as they come, so an interrupt keeps them.
     """
-    from tqdm import tqdm
-
     device = next(state.rows[0].model.parameters()).device
     prompts = [torch.as_tensor(ids, dtype=torch.long, device=device) for _, ids in state.prompts]
     n_rows = len(state.rows)
     total = n_rows * (1 + repeats * len(prompts))
-    with tqdm(total=total, desc="bench", unit="run", disable=not progress, file=sys.stderr,
-              dynamic_ncols=True) as bar:
+    with progress_bar(total, "bench", "run", progress, file=sys.stderr) as bar:
         for row in state.rows:
             bar.set_postfix_str(f"warm-up {row.name}")
             row(prompts[0], min(warmup_tokens, max_new_tokens), temperature, seed)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from draftsmith.bench.costmodel import (DrafterProfile, best_k, break_even_alpha, limiting_term, predict)
-from draftsmith.bench.measure import (BenchState, RunResult, _environment, _load_average, baseline_index,
+from draftsmith.bench.measure import (BenchState, RunResult, baseline_index, environment, load_average,
                                       reference_index)
 from draftsmith.bench.stats import bootstrap_ci, paired_ratios, summarize
 from draftsmith.bench.verdict import TIE_ULPS, count_kinds
@@ -188,10 +188,10 @@ def build_report(state: BenchState, cfg: BenchConfig, provenance: dict[str, Any]
         "partial": state.partial, "note": state.note,
         "provenance": dict(provenance or {}),
         "config": to_dict(cfg),
-        "environment": _environment(),
+        "environment": environment(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(state.started)),
         "seconds": time.time() - state.started,
-        "load_average": {"start": state.load_at_start, "end": _load_average()},
+        "load_average": {"start": state.load_at_start, "end": load_average()},
         "prompts": {"requested": len(state.prompts), "measured": len(measured_prompts),
                     "runs": sum(len(v) for v in state.results.values()),
                     "prompt_tokens": summarize([len(ids) for _, ids in state.prompts])},

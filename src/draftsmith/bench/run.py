@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from draftsmith.bench.measure import (BenchState, _build_rows, _load_eval_prompts, engine_rows, judge_outputs,
-                                      judge_quality, measure_costs, measure_interleaved, quantized_rows)
+from draftsmith.bench.measure import (BenchState, build_rows, engine_rows, judge_outputs, judge_quality,
+                                      load_eval_prompts, measure_costs, measure_interleaved, quantized_rows)
 from draftsmith.bench.report import build_report, render_markdown, write_report
 from draftsmith.config import opt
 from draftsmith.decoding.proposers import Proposer
@@ -134,7 +134,7 @@ def benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], prop
 def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], proposers: dict[str, Proposer],
                cfg: BenchConfig, out_dir: Path, provenance: dict[str, Any] | None, draft_dirs: dict[str, Path],
                servers: contextlib.ExitStack) -> dict[str, Any]:
-    rows = _build_rows(model, proposers, cfg.num_draft_tokens, cfg.hf_reference, cfg.hf_lookup_tokens)
+    rows = build_rows(model, proposers, cfg.num_draft_tokens, cfg.hf_reference, cfg.hf_lookup_tokens)
     if OURS not in cfg.engines:
         rows = rows[:1]  # our plain row stays: the verdicts and the cost model rest on it
     rows += quantized_rows(model, proposers, cfg.num_draft_tokens, cfg.quantize)
@@ -170,7 +170,7 @@ def run_bench(cfg: BenchConfig) -> int:
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     model, tokenizer, fp = load_verifier(cfg.verifier, dtype=cfg.dtype, device=cfg.device)
-    prompts = _load_eval_prompts(cfg.dataset, tokenizer, cfg.num_prompts)
+    prompts = load_eval_prompts(cfg.dataset, tokenizer, cfg.num_prompts)
     proposers: dict[str, Proposer] = {}
     for spec in cfg.drafter:
         proposers[spec] = build_proposer(spec, model, tokenizer, dtype=cfg.dtype)

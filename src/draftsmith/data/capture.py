@@ -28,18 +28,17 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from draftsmith.data.conversation import Conversation, require_conversations
-from draftsmith.data.shards import (SHARD_FORMAT, disk_error, resume_entries, sha256_file, shard_name, write_manifest,
-                                    write_shard)
+from draftsmith.data.shards import SHARD_FORMAT, resume_entries, sha256_file, shard_name, write_manifest, write_shard
 from draftsmith.data.tokenize import TokenizedConversation, TooLong, fit, tokenize_conversation
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.eagle3 import default_aux_layer_ids
 from draftsmith.models.verifier import context_length, text_config
-from draftsmith.utils import environment_info, resolve_dtype
+from draftsmith.utils import environment_info, progress_bar, resolve_dtype, write_error
 
 log = logging.getLogger(__name__)
 
@@ -250,16 +249,26 @@ def _forward_batch(model: torch.nn.Module, plan: _Plan, batch: list[TokenizedCon
     return samples
 
 
-def _capture_window(model: torch.nn.Module, tokenizer: Any, plan: _Plan,
-                    convs: Sequence[Conversation]) -> tuple[list[dict], list[str], _Counts]:
-    """Samples of consecutive conversations, batched by length, returned in input order."""
+def _capture_window(model: torch.nn.Module, tokenizer: Any, plan: _Plan, convs: Sequence[Conversation],
+                    on_batch: Callable[[int], None] | None = None) -> tuple[list[dict], list[str], _Counts]:
+    """Samples of consecutive conversations, batched by length, returned in input order.
+
+    ``on_batch(n)`` is told after each forward that ``n`` more conversations are done (the
+    skipped ones with the first batch), so a progress bar moves per forward, not per window.
+    """
     counts = _Counts()
     kept = [(c.id, s) for c in convs
             if (s := _tokenize(tokenizer, c, plan.max_length, counts, plan.trim_loops)) is not None]
     samples: list[dict | None] = [None] * len(kept)
+    skipped = len(convs) - len(kept)
     for batch in length_batches([len(s.input_ids) for _, s in kept], plan.batch_size):
         for i, sample in zip(batch, _forward_batch(model, plan, [kept[i][1] for i in batch])):
             samples[i] = sample
+        if on_batch is not None:
+            on_batch(len(batch) + skipped)
+            skipped = 0
+    if on_batch is not None and skipped:
+        on_batch(skipped)
     return samples, [rid for rid, _ in kept], counts  # type: ignore[return-value]
 
 
@@ -368,8 +377,6 @@ def capture_to_shards(model: torch.nn.Module, tokenizer: Any, conversations: Ite
             of another capture, a corrupt manifest, or a failed write (disk full);
             completed shards always stay valid.
     """
-    from tqdm.auto import tqdm
-
     from draftsmith import __version__
 
     if samples_per_shard < 1:
@@ -399,12 +406,12 @@ def capture_to_shards(model: torch.nn.Module, tokenizer: Any, conversations: Ite
         for stale in out_dir.glob(".shard-*"):  # temp files of a killed run (never renamed into place)
             stale.unlink()
     except OSError as e:
-        raise disk_error(e, out_dir) from e
+        raise write_error(e, out_dir, "completed shards") from e
 
     windows = range(0, len(convs), samples_per_shard)
     shards: list[dict[str, Any]] = []
     total = _Counts()
-    bar = tqdm(total=len(convs), desc="capture", unit="conv", disable=not progress)
+    bar = progress_bar(len(convs), "capture", "conv", progress)
     t0, tokens_done = time.perf_counter(), 0
     try:
         for k, start in enumerate(windows):
@@ -419,7 +426,7 @@ def capture_to_shards(model: torch.nn.Module, tokenizer: Any, conversations: Ite
                 continue
             if old is not None:
                 log.warning("capture: recomputing %s (its inputs or checksum changed)", name)
-            samples, ids, counts = _capture_window(model, tokenizer, plan, window)
+            samples, ids, counts = _capture_window(model, tokenizer, plan, window, on_batch=bar.update)
             total.add(counts)
             tokens = sum(int(s["input_ids"].numel()) for s in samples)
             loss_tokens = sum(int(s["loss_mask"].sum()) for s in samples)
@@ -432,7 +439,6 @@ def capture_to_shards(model: torch.nn.Module, tokenizer: Any, conversations: Ite
                            "dropped": counts.as_dict(), "sha256": sha, "bytes": size})
             write_manifest(out_dir, header, shards, total.as_dict(), complete=False)
             tokens_done += tokens
-            bar.update(len(window))
             bar.set_postfix_str(f"{tokens_done / max(time.perf_counter() - t0, 1e-9):.0f} tok/s")
     finally:
         bar.close()

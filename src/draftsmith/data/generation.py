@@ -69,9 +69,51 @@ def pad_id(tokenizer: Any, eos: Sequence[int]) -> int:
     return int(pad) if pad is not None else int(eos[0])
 
 
+class TokenProgress:
+    """A transformers streamer that moves a progress bar per generated token of a batch.
+
+    The bar counts *token slots*: ``max_new_tokens`` per reply. Each decode step adds
+    one per reply still running; a reply that stops early adds its unused slots at once.
+    So a batch always adds exactly ``batch * max_new_tokens``, the bar ends exactly at
+    its total, and it moves on every decode step instead of once per batch.
+    """
+
+    def __init__(self, bar: Any, batch: int, max_new_tokens: int, eos: Sequence[int]) -> None:
+        self.bar, self.max_new, self.eos = bar, max_new_tokens, set(eos)
+        self.steps, self.running, self.prompt_seen = 0, [True] * batch, False
+        self.added = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:  # generate hands the prompts over first
+            self.prompt_seen = True
+            return
+        tokens = value.reshape(len(self.running), -1)[:, -1].tolist()
+        self.steps += 1
+        n = 0
+        for b, tok in enumerate(tokens):
+            if not self.running[b]:
+                continue
+            n += 1
+            if tok in self.eos:  # this reply is over: its unused slots are done too
+                self.running[b] = False
+                n += self.max_new - self.steps
+        self._add(n)
+
+    def end(self) -> None:
+        self._add(len(self.running) * self.max_new - self.added)
+
+    def _add(self, n: int) -> None:
+        if n > 0:
+            self.added += n
+            self.bar.update(n)
+
+
 def generate_batch(model: torch.nn.Module, prompts: list[list[int]], seeds: list[int], params: SamplingParams,
-                   max_new_tokens: int, eos: list[int], pad: int) -> list[tuple[list[int], str]]:
-    """Replies to ``prompts`` in one left-padded ``generate``: ``(token ids without eos, finish reason)``."""
+                   max_new_tokens: int, eos: list[int], pad: int, bar: Any = None) -> list[tuple[list[int], str]]:
+    """Replies to ``prompts`` in one left-padded ``generate``: ``(token ids without eos, finish reason)``.
+
+    ``bar``: a progress bar in token slots (:class:`TokenProgress`), moved per decode step.
+    """
     from transformers import GenerationConfig, LogitsProcessorList
 
     device = next(model.parameters()).device
@@ -87,9 +129,10 @@ def generate_batch(model: torch.nn.Module, prompts: list[list[int]], seeds: list
         processors.append(_PerSampleSampler(params, gens))
     # A fresh config: the model's own generation_config may carry sampling defaults or penalties.
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad)
+    streamer = TokenProgress(bar, len(prompts), max_new_tokens, eos) if bar is not None else None
     with torch.inference_mode():
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
-                             logits_processor=processors)
+                             logits_processor=processors, streamer=streamer)
     results = []
     stop = set(eos)
     for row in out[:, width:].tolist():

@@ -23,7 +23,7 @@ from draftsmith.data.generation import Reply, ReplySource, eos_ids, generate_bat
 from draftsmith.decoding.sampling import SamplingParams
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.verifier import context_length
-from draftsmith.utils import complete_lines, write_failure
+from draftsmith.utils import complete_lines, progress_bar, write_error
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +109,6 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
             context, a file made with other settings or data, or a write failure
             (finished records stay in the file).
     """
-    from tqdm.auto import tqdm
-
     params = SamplingParams(temperature=temperature, top_p=top_p)
     if max_new_tokens < 1:
         raise DraftsmithError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
@@ -163,14 +161,15 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
         log.info("regenerate: all %d replies already in %s", len(prompts), out_path)
         return out_path
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=len(prompts), initial=len(prompts) - todo, desc="regenerate", unit="sample",
-               disable=not progress)
     t0, new_tokens = time.perf_counter(), 0
     # A partly written batch is generated whole again: the same batch gives the same replies.
     batches = [b for b in batches if not all(convs[j].id in done for j, _ in b)]
+    # In token slots (max_new_tokens per reply), moved per decode step (generation.TokenProgress).
+    bar = progress_bar(sum(len(b) for b in batches) * max_new_tokens, "regenerate", "tok", progress, unit_scale=True)
     work = [([ids for _, ids in b], [sample_seed(seed, convs[j].id) for j, _ in b]) for b in batches]
     if source is None:
-        answers: Iterator[list[Reply]] = (generate_batch(model, p, s, params, max_new_tokens, eos, pad)
+        answers: Iterator[list[Reply]] = (generate_batch(model, p, s, params, max_new_tokens, eos, pad,
+                                                         bar=bar if progress else None)
                                           for p, s in work)
     else:
         answers = source.replies(work, params, max_new_tokens, eos)
@@ -186,12 +185,13 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
                     f.flush()
                     done.add(conv.id)
                     new_tokens += len(reply)
-                    bar.update(1)
+                if source is not None:  # a server answers a batch at once: its slots move together
+                    bar.update(len(batch) * max_new_tokens)
                 os.fsync(f.fileno())
-                bar.set_postfix_str(f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.1f} tok/s")
+                bar.set_postfix_str(f"{len(done)} replies, {new_tokens / max(time.perf_counter() - t0, 1e-9):.1f} "
+                                    "generated tok/s")
     except OSError as e:
-        raise DraftsmithError(f"cannot write {out_path}: {write_failure(e)}; the {len(done)} finished replies are kept "
-                              "there, free space and re-run to continue") from e
+        raise write_error(e, out_path, f"the {len(done)} finished replies") from e
     finally:
         bar.close()
         getattr(answers, "close", lambda: None)()  # a source stops its requests on an error or Ctrl-C
@@ -221,15 +221,10 @@ def load_regenerated(path: Path) -> list[Conversation]:
         DraftsmithError: missing file or a malformed line (named).
     """
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise DraftsmithError(f"cannot read regenerated data {path}: {e.strerror or e}") from e
-    end = data.rfind(b"\n") + 1
-    if end < len(data):
-        log.warning("%s: ignoring a torn last line (interrupted run; re-run regenerate to finish it)", path)
+    if not path.is_file():
+        raise DraftsmithError(f"cannot read regenerated data {path}: no such file (run regenerate first)")
     out = []
-    for n, raw in enumerate(data[:end].splitlines(), start=1):
+    for n, raw in enumerate(complete_lines(path, cut=False), start=1):
         if not raw.strip():
             continue
         try:

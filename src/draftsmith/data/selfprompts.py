@@ -37,7 +37,7 @@ from draftsmith.data.sources import remove_eval_overlap
 from draftsmith.data.tokenize import render_chat, text_ids
 from draftsmith.decoding.sampling import SamplingParams
 from draftsmith.errors import DraftsmithError
-from draftsmith.utils import complete_lines, write_failure
+from draftsmith.utils import complete_lines, progress_bar, write_error
 
 SELF_DATASET = "self"
 #: Sampling for the requests (not the replies): Magpie samples at temperature 1;
@@ -155,8 +155,6 @@ def write_self_prompts(model: torch.nn.Module, tokenizer: Any, n: int, attempts_
             ``n`` usable requests within ``max_attempts``, or a write failure (finished
             attempts stay in the file).
     """
-    from tqdm.auto import tqdm
-
     if n < 1:
         raise DraftsmithError(f"the number of prompts must be >= 1, got {n}")
     if skip < 0 or batch_size < 1:
@@ -172,7 +170,7 @@ def write_self_prompts(model: torch.nn.Module, tokenizer: Any, n: int, attempts_
     eos = eos_ids(model, tokenizer)
     pad = pad_id(tokenizer, eos)
     attempts_path.parent.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=n, initial=len(kept), desc="self-prompts", unit="prompt", disable=not progress)
+    bar = progress_bar(n, "self-prompts", "prompt", progress, initial=len(kept))
     t0 = time.perf_counter()
     try:
         with open(attempts_path, "ab") as f:
@@ -200,8 +198,7 @@ def write_self_prompts(model: torch.nn.Module, tokenizer: Any, n: int, attempts_
                 bar.update(len(kept) - before)
                 bar.set_postfix_str(f"{len(attempts)} attempts, {time.perf_counter() - t0:.0f} s")
     except OSError as e:
-        raise DraftsmithError(f"cannot write {attempts_path}: {write_failure(e)}; the {len(attempts)} finished "
-                              "attempts are kept there, free space and re-run to continue") from e
+        raise write_error(e, attempts_path, f"the {len(attempts)} finished attempts") from e
     finally:
         bar.close()
     counts["next_skip"] = skip + len(attempts)

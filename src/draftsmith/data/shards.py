@@ -27,7 +27,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.utils import atomic_write_bytes, atomic_write_json, write_failure
+from draftsmith.utils import atomic_write_bytes, atomic_write_json, write_error
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +55,6 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def disk_error(e: OSError, what: Path) -> DraftsmithError:
-    """The error of a failed capture write: why it failed, and that a re-run continues."""
-    return DraftsmithError(f"cannot write {what}: {write_failure(e)}; completed shards are kept, free space and "
-                           "re-run the same command to continue")
-
-
 def write_shard(path: Path, samples: list[dict], meta: dict[str, Any]) -> tuple[str, int]:
     """Write one shard atomically; return ``(sha256, bytes)``.
 
@@ -74,7 +68,7 @@ def write_shard(path: Path, samples: list[dict], meta: dict[str, Any]) -> tuple[
     try:
         atomic_write_bytes(path, data)  # temp file + fsync + rename; removes the temp file on failure
     except OSError as e:
-        raise disk_error(e, path) from e
+        raise write_error(e, path, "completed shards") from e
     return hashlib.sha256(data).hexdigest(), len(data)
 
 
@@ -112,7 +106,7 @@ def write_manifest(out_dir: Path, header: dict[str, Any], shards: list[dict[str,
     try:
         atomic_write_json(out_dir / MANIFEST, manifest)
     except OSError as e:
-        raise disk_error(e, out_dir / MANIFEST) from e
+        raise write_error(e, out_dir / MANIFEST, "completed shards") from e
 
 
 # ----------------------------------------------------------------------------- reading

@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.gate import MIN_JUDGED_PROMPTS
 
 #: shares of what is left after fixed costs: the bench's target share of the budget,
 #: and the smallest useful run (prompts measured; conversations trained on)
 BENCH_SHARE = 0.2
-MIN_BENCH_PROMPTS = 4
+MIN_BENCH_PROMPTS = 6  # one k measured: the gate judges on all of them (gate.MIN_JUDGED_PROMPTS)
 MAX_BENCH_PROMPTS = 80
 MIN_CONVERSATIONS = 16
 #: predicted minutes are multiplied by this before they are compared with the budget (a
@@ -105,11 +106,11 @@ def bench_seconds(rates: Rates, prompts: int, max_new_tokens: int, rows: int, re
 
 def make_plan(budget_minutes: float, rates: Rates, *, max_new_tokens: int, epochs: float, pack_tokens: int,
               bench_max_new_tokens: int, bench_rows: int, repeats: int = 1,
-              machine: dict[str, Any] | None = None) -> Plan:
+              machine: dict[str, Any] | None = None, min_prompts: int = MIN_BENCH_PROMPTS) -> Plan:
     """Size the run so that its predicted time (times :data:`SAFETY`) fits ``budget_minutes``.
 
-    The bench gets up to :data:`BENCH_SHARE` of the budget (at least :data:`MIN_BENCH_PROMPTS`
-    prompts); data and training share the rest at the asked ``epochs``, so the number of
+    The bench gets up to :data:`BENCH_SHARE` of the budget (at least ``min_prompts``
+    prompts; the gate judges on half of them when several k are measured); data and training share the rest at the asked ``epochs``, so the number of
     conversations is what remains divided by one conversation's regeneration, capture and
     training cost.
 
@@ -130,19 +131,19 @@ def make_plan(budget_minutes: float, rates: Rates, *, max_new_tokens: int, epoch
     fixed = rates.load_seconds
     # a regeneration batch is paid whole even when it is not full
     min_batch = rates.regen_batch_fixed + reply * rates.regen_batch_per_token
-    minimum = (fixed + bench_fixed + MIN_BENCH_PROMPTS * one_bench_prompt + min_batch
+    minimum = (fixed + bench_fixed + min_prompts * one_bench_prompt + min_batch
                + MIN_CONVERSATIONS * (per_conv["capture"] + per_conv["train"]))
     if budget < minimum:
         raise DraftsmithError(f"--budget {budget_minutes:g} is too small for the smallest useful run on this "
-                              f"machine ({MIN_CONVERSATIONS} conversations, {MIN_BENCH_PROMPTS} bench prompts): "
+                              f"machine ({MIN_CONVERSATIONS} conversations, {min_prompts} bench prompts): "
                               f"it needs at least {math.ceil(minimum * SAFETY / 60)} minutes here")
     prompts = int((BENCH_SHARE * budget - bench_fixed) // one_bench_prompt)
-    prompts = max(MIN_BENCH_PROMPTS, min(MAX_BENCH_PROMPTS, prompts))
+    prompts = max(min_prompts, min(MAX_BENCH_PROMPTS, prompts))
     bench = bench_fixed + prompts * one_bench_prompt
     left = budget - fixed - bench
     n = int(left // sum(per_conv.values()))
     if n < MIN_CONVERSATIONS:  # the bench share left too little: shrink the bench to its minimum
-        prompts = MIN_BENCH_PROMPTS
+        prompts = min_prompts
         bench = bench_fixed + prompts * one_bench_prompt
         n = max(MIN_CONVERSATIONS, int((budget - fixed - bench) // sum(per_conv.values())))
     if n >= rates.batch_size:  # whole batches: a part-filled one costs as much as a full one
@@ -289,7 +290,8 @@ def plan_for(cfg: Any, v: Any, vd: Any, out: Path, say: Any = print) -> Plan:
     rows = 1 + len(cfg.bench.num_draft_tokens) * (2 if cfg.previous_draft else 1) + 2 * cfg.bench.hf_reference
     plan = make_plan(cfg.budget, rates, max_new_tokens=cfg.data.max_new_tokens, epochs=cfg.train.epochs,
                      pack_tokens=cfg.train.pack_tokens, bench_max_new_tokens=cfg.bench.max_new_tokens,
-                     bench_rows=rows, repeats=cfg.bench.repeats, machine=key["machine"])
+                     bench_rows=rows, repeats=cfg.bench.repeats, machine=key["machine"],
+                     min_prompts=MIN_BENCH_PROMPTS if len(cfg.bench.num_draft_tokens) == 1 else 2 * MIN_JUDGED_PROMPTS)
     save_plan(path, key, plan)
     return plan
 

@@ -35,7 +35,7 @@ def _previous_draft(cfg: PipelineConfig, fingerprint: str) -> Path | None:
     p = Path(cfg.out) / "draft"
     if (p / "config.json").is_file():
         prov = read_provenance(p) or {}
-        if prov.get("verifier_fingerprint") == fingerprint:
+        if (prov.get("verifier") or {}).get("fingerprint") == fingerprint:
             return p
     return None
 

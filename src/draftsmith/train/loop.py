@@ -26,7 +26,7 @@ from draftsmith.models.eagle3 import Eagle3Config, Eagle3Draft
 from draftsmith.models.vocab import coverage, grow_vocab, select_vocab, token_counts
 from draftsmith.train.loss import shift_left, step_mask, ttt_loss
 from draftsmith.train.packing import PackedBatch, collate, pack_rows
-from draftsmith.utils import atomic_write_bytes, atomic_write_json, command_line, environment_info
+from draftsmith.utils import atomic_write_bytes, atomic_write_json, command_line, environment_info, progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -336,8 +336,6 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
             manifest, else [2, n//2, n-3]).
         progress: show a progress bar on rank 0.
     """
-    from tqdm.auto import tqdm
-
     from draftsmith.models.speculators import read_draft, write_draft
     from draftsmith.models.verifier import load_verifier
 
@@ -497,8 +495,7 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
 
     metrics_f = open(out / "metrics.jsonl", "a") if dist.main else None
     draft.train()
-    bar = tqdm(total=total_steps, initial=step, desc="train", disable=not (progress and dist.main),
-               dynamic_ncols=True)
+    bar = progress_bar(total_steps, "train", "step", progress and dist.main, initial=step)
     t_start = time.perf_counter()
     tokens_seen = 0
     mean_ctx = cfg.pack_tokens / 4
