@@ -129,6 +129,31 @@ def die_with_parent(argv: Sequence[str]) -> list[str]:
     return [setpriv, "--pdeathsig", "TERM", *argv] if setpriv else list(argv)
 
 
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid``: a server and all it started.
+
+    Read from /proc (Linux); elsewhere [pgid] while the group can still be signalled.
+    """
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [pgid]
+    pids = []
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
+            pids.append(int(d.name))
+    return pids
+
+
 class ServerProcess:
     """A server started as its own process group, logged to a file, always stopped.
 
@@ -183,18 +208,29 @@ class ServerProcess:
             time.sleep(0.5)
 
     def stop(self, grace: float = 15.0) -> None:
-        """SIGTERM to the whole process group, SIGKILL after ``grace`` seconds."""
+        """SIGTERM to the whole process group, SIGKILL after ``grace`` seconds.
+
+        Returns only when no live process of the group is left: a server's workers (vLLM's
+        engine core) can outlive its main process by seconds after a SIGTERM.
+        """
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
+        pgid = proc.pid
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
+            os.killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
+        while group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if proc.poll() is None or group_members(pgid):
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.killpg(pgid, signal.SIGKILL)
             proc.wait()
+            deadline = time.monotonic() + grace
+            while group_members(pgid) and time.monotonic() < deadline:
+                time.sleep(0.1)
 
     def __enter__(self) -> "ServerProcess":
         return self.start() if self.proc is None else self
