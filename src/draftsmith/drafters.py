@@ -6,20 +6,19 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.decoding.cross_tokenizer import CrossTokenizerProposer
 from draftsmith.decoding.proposers import DraftModelProposer, Eagle3Proposer, NgramProposer, Proposer
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.speculators import read_config, read_draft, validate_against_verifier
 from draftsmith.models.verifier import text_config
 
-DRAFTER_HELP = ("ngram | ngram:MAX_N | model:SPEC (a smaller LM with the same tokenizer) "
-                "| a draft directory (EAGLE-3, speculators format)")
+DRAFTER_HELP = ("ngram | ngram:MAX_N | model:SPEC (a smaller LM; with another tokenizer than the verifier's it "
+                "drafts through text) | a draft directory (EAGLE-3, speculators format)")
 
 
-def check_same_tokenizer(draft_tokenizer: object, verifier_tokenizer: object, what: str) -> None:
-    """Raise if two tokenizers map tokens to different ids."""
-    if draft_tokenizer.get_vocab() != verifier_tokenizer.get_vocab():
-        raise DraftsmithError(f"{what} uses a different tokenizer than the verifier; "
-                              "drafts must share the verifier's vocabulary")
+def same_tokenizer(draft_tokenizer: object, verifier_tokenizer: object) -> bool:
+    """Whether two tokenizers map every token to the same id."""
+    return draft_tokenizer.get_vocab() == verifier_tokenizer.get_vocab()
 
 
 def build_proposer(spec: str | None, verifier: torch.nn.Module, tokenizer: object,
@@ -37,8 +36,10 @@ def build_proposer(spec: str | None, verifier: torch.nn.Module, tokenizer: objec
 
         device = next(verifier.parameters()).device
         draft, draft_tok, _ = load_verifier(spec[len("model:"):], dtype=dtype, device=device)
-        check_same_tokenizer(draft_tok, tokenizer, f"draft model {spec[6:]!r}")
-        proposer = DraftModelProposer(draft)
+        if same_tokenizer(draft_tok, tokenizer):
+            proposer: Proposer = DraftModelProposer(draft)
+        else:  # Universal Assisted Generation: the draft's text re-encoded into the verifier's tokens
+            proposer = CrossTokenizerProposer(draft, draft_tok, tokenizer)
         proposer.check_compatible(verifier)
         return proposer
     if Path(spec).is_dir():

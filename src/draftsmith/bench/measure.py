@@ -113,17 +113,21 @@ class Row:
 
     Attributes:
         name: label in the report.
-        kind: plain | drafter | hf-generate | hf-prompt-lookup.
+        kind: plain | quantized (plain decoding of a quantized verifier) | drafter | hf-generate
+            | hf-prompt-lookup.
         drafter: drafter label (rows of one drafter at several k share it).
         k: draft length (None for rows without drafting).
         engine: what decodes: ``draftsmith`` (this process) or a serving engine's name.
+        quant: the verifier's quantization (:data:`~draftsmith.models.quantize.QUANTIZATIONS`),
+            None for the full-precision verifier.
     """
 
     engine = OURS
 
     def __init__(self, name: str, kind: str, model: torch.nn.Module, drafter: str | None = None,
-                 k: int | None = None, proposer: Proposer | None = None) -> None:
+                 k: int | None = None, proposer: Proposer | None = None, quant: str | None = None) -> None:
         self.name, self.kind, self.model, self.drafter, self.k, self.proposer = name, kind, model, drafter, k, proposer
+        self.quant = quant
 
     def __call__(self, ids: torch.Tensor, max_new_tokens: int, temperature: float,
                  seed: int) -> tuple[list[int], dict[str, Any] | None, list[tuple[int, int, float]]]:
@@ -200,9 +204,33 @@ def engine_rows(stack: contextlib.ExitStack, engines: Sequence[str], model: torc
 
 
 def baseline_index(rows: Sequence[Row], r: int) -> int:
-    """The plain row of row ``r``'s engine: what its speedup and outputs are compared with."""
+    """The full-precision plain row of row ``r``'s engine: what its speedup is measured against."""
     engine = rows[r].engine
     return next(i for i, row in enumerate(rows) if row.kind == "plain" and row.engine == engine)
+
+
+def reference_index(rows: Sequence[Row], r: int) -> int:
+    """The row whose outputs row ``r`` must reproduce: plain decoding of the same verifier
+    (the quantized plain row for a drafter on a quantized verifier, else :func:`baseline_index`)."""
+    quant = rows[r].quant
+    if quant is None:
+        return baseline_index(rows, r)
+    return next(i for i, row in enumerate(rows) if row.kind == "quantized" and row.quant == quant)
+
+
+def quantized_rows(model: torch.nn.Module, proposers: dict[str, Proposer], ks: Sequence[int],
+                   methods: Sequence[str]) -> list[Row]:
+    """Per quantization: plain decoding of the quantized verifier, and each drafter on it at each k."""
+    from draftsmith.models.quantize import quantize_verifier
+
+    rows: list[Row] = []
+    for method in methods:
+        qmodel = quantize_verifier(model, method)
+        rows.append(Row(f"{method} plain", "quantized", qmodel, quant=method))
+        for name, prop in proposers.items():
+            rows += [Row(f"{method} + {name} k={k}", "drafter", qmodel, drafter=f"{name} @{method}", k=k,
+                         proposer=prop, quant=method) for k in ks]
+    return rows
 
 
 def timed_run(row: Row, ids: torch.Tensor, max_new_tokens: int, temperature: float, seed: int) -> RunResult:
@@ -308,6 +336,7 @@ class BenchState:
     draft_per_call: dict[str, dict[int, float]] = field(default_factory=dict)
     draft_fit: dict[str, tuple[float, float]] = field(default_factory=dict)
     verdicts: dict[tuple[int, int], OutputVerdict] = field(default_factory=dict)  # (row, prompt), greedy only
+    quality: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)  # (row, prompt), vs full precision
     partial: bool = False
     note: str = ""
     started: float = field(default_factory=time.time)
@@ -376,22 +405,63 @@ def measure_costs(state: BenchState, proposers: dict[str, Proposer], ks: Sequenc
 
 
 def judge_outputs(state: BenchState, model: torch.nn.Module) -> None:
-    """Greedy runs: classify every row's output on every prompt against plain decoding
-    (identical / tie / mismatch, :mod:`draftsmith.bench.verdict`) into ``state.verdicts``.
+    """Greedy runs: classify every row's output on every prompt against plain decoding of the
+    same verifier (identical / tie / mismatch, :mod:`draftsmith.bench.verdict`) into ``state.verdicts``.
 
-    Divergences are rescored with ``model`` in its own dtype and, when that is not
-    float32, with a float32 copy made on the first divergence only.
+    Divergences are rescored with the reference row's verifier in its own dtype and, for the
+    full-precision ``model`` when that is not float32, with a float32 copy made on the first
+    divergence only (a quantized verifier has no float32 twin: its own scores stand in).
     """
     dtype = next(model.parameters()).dtype
-    score, fp32 = model_scorer(model), None
+    scorers: dict[int, Any] = {}
+    fp32 = None
     for (r, p), runs in sorted(state.results.items()):
-        base = baseline_index(state.rows, r)
+        base = reference_index(state.rows, r)
         if r == base or (base, p) not in state.results or (r, p) in state.verdicts:
             continue
+        ref_model = state.rows[base].model
+        score = scorers.setdefault(id(ref_model), model_scorer(ref_model))
         ref, cand = state.results[(base, p)][0].token_ids, runs[0].token_ids
-        if ref != cand and dtype != torch.float32 and fp32 is None:
+        quant = state.rows[base].quant is not None
+        if ref != cand and not quant and dtype != torch.float32 and fp32 is None:
             import copy
 
             fp32 = model_scorer(copy.deepcopy(model).float())
-        state.verdicts[(r, p)] = compare_outputs(state.prompts[p][1], ref, cand, score=score, dtype=dtype,
-                                                 score_float32=fp32)
+        state.verdicts[(r, p)] = compare_outputs(
+            state.prompts[p][1], ref, cand, score=score,
+            dtype=next(ref_model.parameters()).dtype if quant else dtype, score_float32=None if quant else fp32)
+
+
+def mean_logprob(model: torch.nn.Module, prompt: Sequence[int], tokens: Sequence[int]) -> float | None:
+    """Mean log-probability of ``tokens`` after ``prompt`` under ``model``, teacher-forced (one forward)."""
+    if not tokens:
+        return None
+    device = next(model.parameters()).device
+    ids = torch.as_tensor(list(prompt) + list(tokens)[:-1], dtype=torch.long, device=device)[None]
+    with torch.inference_mode():
+        logits = model(input_ids=ids, use_cache=False, logits_to_keep=len(tokens)).logits[0]  # [n, V]
+    logp = torch.log_softmax(logits.double(), -1)
+    target = torch.as_tensor(list(tokens), device=device)
+    return float(logp.gather(-1, target[:, None]).mean())
+
+
+def judge_quality(state: BenchState, model: torch.nn.Module, greedy: bool) -> None:
+    """What quantization changes, per prompt, into ``state.quality``: for every row on a quantized
+    verifier (and the full-precision plain row, the reference level) the mean log-probability of
+    its tokens under the full-precision ``model``; greedy runs also get whether the output equals
+    full-precision plain decoding and where it first leaves it."""
+    from draftsmith.bench.verdict import first_difference
+
+    quant_rows = [r for r, row in enumerate(state.rows) if row.quant is not None]
+    if not quant_rows:
+        return
+    for (r, p), runs in sorted(state.results.items()):
+        base = baseline_index(state.rows, r)
+        if (r not in quant_rows and r != base) or (r, p) in state.quality:
+            continue
+        tokens = runs[0].token_ids
+        entry: dict[str, Any] = {"mean_logprob": mean_logprob(model, state.prompts[p][1], tokens)}
+        if greedy and r != base and (base, p) in state.results:
+            i = first_difference(state.results[(base, p)][0].token_ids, tokens)
+            entry.update(identical=i is None, first_divergence=i)
+        state.quality[(r, p)] = entry

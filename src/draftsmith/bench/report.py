@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from draftsmith.bench.costmodel import (DrafterProfile, best_k, break_even_alpha, limiting_term, predict)
-from draftsmith.bench.measure import BenchState, RunResult, environment, load_average, baseline_index
+from draftsmith.bench.measure import (BenchState, RunResult, baseline_index, environment, load_average,
+                                      reference_index)
 from draftsmith.bench.stats import bootstrap_ci, paired_ratios, summarize
 from draftsmith.bench.verdict import TIE_ULPS, count_kinds
 from draftsmith.config import to_dict
@@ -67,7 +68,8 @@ def _row_report(state: BenchState, r: int, cfg: BenchConfig) -> dict[str, Any] |
     done = sorted(p for (rr, p) in state.results if rr == r)
     if not done:
         return None
-    b0 = baseline_index(state.rows, r)
+    b0 = baseline_index(state.rows, r)  # speedups: over full-precision plain decoding
+    ref = reference_index(state.rows, r)  # outputs: plain decoding of the same (maybe quantized) verifier
     tps = {p: statistics.median(x.tokens_per_second for x in state.results[(r, p)]) for p in done}
     base = {p: statistics.median(x.tokens_per_second for x in state.results[(b0, p)])
             for p in done if (b0, p) in state.results}
@@ -76,6 +78,7 @@ def _row_report(state: BenchState, r: int, cfg: BenchConfig) -> dict[str, Any] |
     ratios = paired_ratios([tps[p] for p in paired], [base[p] for p in paired])
     out: dict[str, Any] = {
         "name": row.name, "kind": row.kind, "drafter": row.drafter, "k": row.k, "engine": row.engine,
+        "quant": row.quant, "reference": state.rows[ref].name,
         "tokens_per_second": summarize(list(tps.values())),
         "speedup": {"median": float(np.median(ratios)) if ratios else None,
                     "ci95": list(bootstrap_ci(ratios, n_resamples=cfg.bootstrap, seed=cfg.seed)) if ratios else None,
@@ -87,17 +90,46 @@ def _row_report(state: BenchState, r: int, cfg: BenchConfig) -> dict[str, Any] |
                         "new_tokens": len(state.results[(r, p)][0].token_ids),
                         "seconds": [x.seconds for x in state.results[(r, p)]]} for p in done],
     }
-    if cfg.temperature == 0 and paired:
-        same = [p for p in paired if state.results[(r, p)][0].token_ids == state.results[(b0, p)][0].token_ids]
-        out["identical_output_rate"] = len(same) / len(paired)
-        out["identical_prompts"] = f"{len(same)}/{len(paired)}"
-        verdicts = {p: state.verdicts[(r, p)] for p in paired if (r, p) in state.verdicts}
+    judged = [p for p in done if (ref, p) in state.results]
+    if cfg.temperature == 0 and judged:
+        same = [p for p in judged if state.results[(r, p)][0].token_ids == state.results[(ref, p)][0].token_ids]
+        out["identical_output_rate"] = len(same) / len(judged)
+        out["identical_prompts"] = f"{len(same)}/{len(judged)}"
+        verdicts = {p: state.verdicts[(r, p)] for p in judged if (r, p) in state.verdicts}
         if verdicts:
             out["outputs"] = {**count_kinds(list(verdicts.values())),
                               "divergences": [{"prompt": state.prompts[p][0], **v.to_dict()}
                                               for p, v in verdicts.items() if v.kind != "identical"]}
     if row.kind == "drafter":
         out["acceptance"] = _pooled_acceptance(runs, row.k)
+    if row.quant is not None:
+        out["quality"] = _quality(state, r, b0, done)
+    return out
+
+
+def _quality(state: BenchState, r: int, b0: int, done: list[int]) -> dict[str, Any] | None:
+    """What a quantized verifier changes against full-precision plain decoding (row ``b0``)."""
+    prompts = [p for p in done if (r, p) in state.quality and (b0, p) in state.quality]
+    if not prompts:
+        return None
+    own = [state.quality[(r, p)]["mean_logprob"] for p in prompts]
+    ref = [state.quality[(b0, p)]["mean_logprob"] for p in prompts]
+    pairs = [(a, b) for a, b in zip(own, ref) if a is not None and b is not None]
+    out: dict[str, Any] = {
+        "vs": state.rows[b0].name, "prompts": len(prompts),
+        # per-prompt means, averaged with equal weight per prompt, on the same prompts for both
+        "mean_logprob": statistics.fmean(a for a, _ in pairs) if pairs else None,
+        "reference_mean_logprob": statistics.fmean(b for _, b in pairs) if pairs else None,
+    }
+    if "identical" in state.quality[(r, prompts[0])]:
+        firsts = [state.quality[(r, p)]["first_divergence"] for p in prompts]
+        diverged = [i for i in firsts if i is not None]
+        out.update({
+            "identical_prompts": f"{len(prompts) - len(diverged)}/{len(prompts)}",
+            "identical_rate": (len(prompts) - len(diverged)) / len(prompts),
+            "first_divergence": {"median": statistics.median(diverged) if diverged else None,
+                                 "min": min(diverged, default=None), "per_prompt": firsts},
+        })
     return out
 
 
@@ -106,7 +138,8 @@ def _break_even(state: BenchState, rows: list[dict[str, Any]], cfg: BenchConfig)
     if state.costs is None:
         return {}
     out: dict[str, Any] = {}
-    ours = [r for r in rows if r.get("engine", OURS) == OURS]  # the cost model is our engine's
+    # the cost model is our engine's, on the full-precision verifier
+    ours = [r for r in rows if r.get("engine", OURS) == OURS and r.get("quant") is None]
     for name in dict.fromkeys(r["drafter"] for r in ours if r["kind"] == "drafter"):
         mine = sorted((r for r in ours if r["drafter"] == name), key=lambda r: r["k"])
         basis = mine[-1]  # the longest drafts see the most positions
@@ -168,7 +201,78 @@ def build_report(state: BenchState, cfg: BenchConfig, provenance: dict[str, Any]
             "t_verify_seconds": {str(n): t for n, t in c.t_verify.items()}},
         "break_even": _break_even(state, rows, cfg),
         "engine_agreement": engine_agreement(rows),
+        "which_to_choose": which_to_choose(rows, cfg.temperature),
     }
+
+
+def _lossless(row: dict[str, Any], temperature: float) -> str:
+    """Whether a row's outputs are its reference's (plain decoding of the same verifier), in words."""
+    o = row.get("outputs")
+    if temperature > 0:
+        return "yes (sampling: exact by construction)"
+    if o:
+        if o["mismatch"]:
+            return f"NO: {o['mismatch']} mismatch(es), a bug"
+        n = o["identical"] + o["tie"]
+        return f"yes ({o['identical']}/{n} identical" + (f", {o['tie']} numerical tie(s))" if o["tie"] else ")")
+    return "not checked" if row["identical_output_rate"] is None else f"{row['identical_prompts']} identical"
+
+
+def _quality_words(q: dict[str, Any] | None) -> str:
+    if not q:
+        return "-"
+    parts = []
+    if q.get("identical_prompts") is not None:
+        fd = q["first_divergence"]
+        parts.append(f"{q['identical_prompts']} outputs identical" + (
+            f", first divergence at token {fd['median']:g} (median; earliest {fd['min']})"
+            if fd["median"] is not None else ""))
+    if q["mean_logprob"] is not None:
+        parts.append(f"mean log-prob/token under full precision {q['mean_logprob']:.3f} (its own outputs: "
+                     f"{q['reference_mean_logprob']:.3f})")
+    return "; ".join(parts) or "-"
+
+
+def which_to_choose(rows: list[dict[str, Any]], temperature: float) -> list[dict[str, Any]]:
+    """The options side by side when quantized rows were measured (else []): full-precision plain,
+    each drafter at its best k, each quantization plainly and with each drafter at its best k.
+
+    Speedups are all over full-precision plain decoding; "lossless" is against full precision.
+    """
+    ours = [r for r in rows if r.get("engine", OURS) == OURS]
+    if not any(r.get("quant") for r in ours):
+        return []
+
+    def best(group: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        by: dict[str, dict[str, Any]] = {}
+        for r in group:
+            cur = by.get(r["drafter"])
+            if r["speedup"]["median"] is not None and (cur is None or r["speedup"]["median"] > cur["speedup"]["median"]):
+                by[r["drafter"]] = r
+        return list(by.values())
+
+    out = []
+    plain = next(r for r in ours if r["kind"] == "plain")
+    out.append({"option": "plain", "row": plain["name"], "speedup": 1.0, "lossless": "yes (the reference)",
+                "quality": "none"})
+    for r in best([r for r in ours if r["kind"] == "drafter" and r.get("quant") is None]):
+        lossless = _lossless(r, temperature)
+        out.append({"option": "draft", "row": r["name"], "speedup": r["speedup"]["median"], "lossless": lossless,
+                    "quality": "none" if lossless.startswith("yes") else "see the verdicts above"})
+    for quant in dict.fromkeys(r["quant"] for r in ours if r.get("quant")):
+        q = next((r for r in ours if r["kind"] == "quantized" and r["quant"] == quant), None)
+        if q is None:  # a partial report without this quantization's plain row
+            continue
+        ident = (q.get("quality") or {}).get("identical_prompts")
+        out.append({"option": "quantized", "row": q["name"], "speedup": q["speedup"]["median"],
+                    "lossless": f"no ({ident} identical)" if ident else "no", "quality": _quality_words(q.get("quality"))})
+        for r in best([r for r in ours if r["kind"] == "drafter" and r.get("quant") == quant]):
+            ident = (r.get("quality") or {}).get("identical_prompts")
+            out.append({"option": "quantized + draft", "row": r["name"], "speedup": r["speedup"]["median"],
+                        "lossless": (f"no ({ident} identical)" if ident else "no")
+                                    + f"; vs {q['name']}: {_lossless(r, temperature)}",
+                        "quality": _quality_words(r.get("quality"))})
+    return out
 
 
 def engine_agreement(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -200,6 +304,9 @@ def _fmt_bytes(n: int | None) -> str:
 def _fmt_outputs(row: dict[str, Any]) -> str:
     if row["kind"] == "plain":
         return "ref"
+    if row["kind"] == "quantized":  # the reference of its drafter rows; its change is in "Which to choose"
+        ident = (row.get("quality") or {}).get("identical_prompts")
+        return "ref" + (f" ({ident} as full precision)" if ident else "")
     o = row.get("outputs")
     if o:
         return f"{o['identical']} / {o['tie']} / {o['mismatch']}"
@@ -244,7 +351,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         worst = max((d for d in o["divergences"] if d["kind"] == "tie"), key=lambda d: d["margin"], default=None)
         if o["mismatch"]:
             first = next(d for d in o["divergences"] if d["kind"] == "mismatch")
-            lines += ["", f"**MISMATCH: {r['name']} leaves plain decoding on {o['mismatch']} prompt(s) where no "
+            lines += ["", f"**MISMATCH: {r['name']} leaves {r['reference'] if r.get('quant') else 'plain decoding'} on {o['mismatch']} prompt(s) where no "
                           f"rounding explains it (first: prompt {first['prompt']}, {first['reason']}). This is a "
                           "bug in the decoding, not a numerical tie.**"]
         if worst is not None:
@@ -297,6 +404,13 @@ def render_markdown(report: dict[str, Any]) -> str:
                          f"({100 * (a['ratio'] - 1):+.0f}%; target within 10%)"
                          + (f"; per position {' '.join(f'{x:.2f}' for x in pos)}" if pos else ""))
     lines += ["", "Plots: " + ", ".join(f"[{p}]({p})" for p in PLOTS) + ". All numbers: report.json."]
+    choose = report.get("which_to_choose") or []
+    if choose:
+        lines += ["", "## Which to choose (speedup over full-precision plain decoding)", "",
+                  "| option | row | speedup | lossless vs full precision? | quality change |", "|---|---|---|---|---|"]
+        lines += [f"| {c['option']} | {c['row']} | "
+                  + ("-" if c["speedup"] is None else f"{c['speedup']:.2f}x") + f" | {c['lossless']} | {c['quality']} |"
+                  for c in choose]
     return "\n".join(lines) + "\n"
 
 
@@ -363,7 +477,8 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     med = [r["tokens_per_second"]["median"] for r in rows]
     err = [[m - r["tokens_per_second"]["p25"] for m, r in zip(med, rows)],
            [r["tokens_per_second"]["p75"] - m for m, r in zip(med, rows)]]
-    kind_color = {"plain": "gray", "drafter": colors[0], "hf-generate": colors[1], "hf-prompt-lookup": colors[1]}
+    kind_color = {"plain": "gray", "drafter": colors[0], "hf-generate": colors[1], "hf-prompt-lookup": colors[1],
+                  "quantized": colors[2]}
     ax.barh(range(len(rows)), med, xerr=err, capsize=3, color=[kind_color[r["kind"]] for r in rows])
     ax.set_yticks(range(len(rows)), [r["name"] for r in rows])
     ax.invert_yaxis()
@@ -374,8 +489,11 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     for y, m in enumerate(med):
         ax.annotate(f"{m:.1f}", (m, y), xytext=(4, 4), textcoords="offset points", fontsize="small")
     ax.set_xlim(0, max(r["tokens_per_second"]["p75"] for r in rows) * 1.15)
-    ax.legend(handles=[Patch(color="gray", label="plain (ours)"), Patch(color=colors[0], label="drafters (ours)"),
-                       Patch(color=colors[1], label="HF transformers")], fontsize="small", ncol=3,
+    handles = [Patch(color="gray", label="plain (ours)"), Patch(color=colors[0], label="drafters (ours)"),
+               Patch(color=colors[1], label="HF transformers")]
+    if any(r["kind"] == "quantized" for r in rows):
+        handles.append(Patch(color=colors[2], label="quantized verifier"))
+    ax.legend(handles=handles, fontsize="small", ncol=len(handles),
               loc="upper center", bbox_to_anchor=(0.5, -0.22 - 0.3 / max(len(rows), 1)))
     ax.set(xlabel="throughput [tokens/s], median over prompts (whiskers: IQR)", title=f"Tokens/s {title_tail}")
     ax.grid(axis="x", alpha=0.3)

@@ -10,14 +10,15 @@ from typing import Any
 
 import torch
 
-from draftsmith.bench.measure import (BenchState, build_rows, load_eval_prompts, engine_rows, judge_outputs,
-                                      measure_costs, measure_interleaved)
+from draftsmith.bench.measure import (BenchState, build_rows, engine_rows, judge_outputs, judge_quality,
+                                      load_eval_prompts, measure_costs, measure_interleaved, quantized_rows)
 from draftsmith.bench.report import build_report, render_markdown, write_report
 from draftsmith.config import opt
 from draftsmith.decoding.proposers import Proposer
 from draftsmith.drafters import DRAFTER_HELP
 from draftsmith.engines import ENGINES, OURS
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.quantize import QUANTIZATIONS
 
 EVAL_DATASETS = ("mt-bench", "humaneval")
 
@@ -45,8 +46,18 @@ class BenchSettings:
     engines: list[str] = opt(default_factory=lambda: [OURS],
                              help=f"where to measure the EAGLE-3 drafts, side by side: {', '.join(ENGINES)} "
                                   "(vllm and llama.cpp are started as real servers on 127.0.0.1; greedy only)")
+    quantize: list[str] = opt(default_factory=list,
+                              help="also measure the verifier quantized, plainly and with each drafter: "
+                                   + "; ".join(f"{k} ({v[1]})" for k, v in QUANTIZATIONS.items())
+                                   + ". Faster, not lossless: the report says what it changes")
 
     def __post_init__(self) -> None:
+        bad_q = [q for q in self.quantize if q not in QUANTIZATIONS]
+        if bad_q:
+            raise DraftsmithError(f"--quantize: expected some of {list(QUANTIZATIONS)}, got {self.quantize}")
+        self.quantize = list(dict.fromkeys(self.quantize))
+        if self.quantize and OURS not in self.engines:
+            raise DraftsmithError(f"--quantize: quantized rows are measured in {OURS}'s engine; add it to --engines")
         bad = [e for e in self.engines if e not in ENGINES]
         if bad or not self.engines:
             raise DraftsmithError(f"--engines: expected some of {list(ENGINES)}, got {self.engines}")
@@ -126,6 +137,7 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
     rows = build_rows(model, proposers, cfg.num_draft_tokens, cfg.hf_reference, cfg.hf_lookup_tokens)
     if OURS not in cfg.engines:
         rows = rows[:1]  # our plain row stays: the verdicts and the cost model rest on it
+    rows += quantized_rows(model, proposers, cfg.num_draft_tokens, cfg.quantize)
     rows += engine_rows(servers, cfg.engines, model, cfg.verifier, draft_dirs, cfg.num_draft_tokens,
                         Path(out_dir) / "engine-logs", cfg.threads)
     state = BenchState(rows, prompts)
@@ -139,6 +151,7 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
                             progress=cfg.progress, warmup_tokens=cfg.warmup_tokens)
         if cfg.temperature == 0:
             judge_outputs(state, model)
+        judge_quality(state, model, greedy=cfg.temperature == 0)
     except KeyboardInterrupt:
         state.partial, state.note = True, "interrupted (Ctrl-C)"
         write_report(build_report(state, cfg, provenance), out_dir)

@@ -20,6 +20,7 @@ from draftsmith.decoding.runner import CAPACITY_BUCKET, VerifierRunner
 from draftsmith.decoding.sampling import SamplingParams, logits_to_probs, sample
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.kv import KVCache
+from draftsmith.models.quantize import output_vocab_size
 
 if TYPE_CHECKING:
     from draftsmith.models.eagle3 import Eagle3Draft
@@ -178,8 +179,7 @@ class DraftModelProposer(Proposer):
         self.compile_seconds = self.runner.compile_seconds
 
     def check_compatible(self, verifier: torch.nn.Module) -> None:
-        dv = self.model.get_output_embeddings().weight.shape[0]
-        vv = verifier.get_output_embeddings().weight.shape[0]
+        dv, vv = output_vocab_size(self.model), output_vocab_size(verifier)
         if dv != vv:
             raise DraftsmithError(
                 f"draft model vocabulary ({dv}) differs from the verifier's ({vv}); "
@@ -310,7 +310,7 @@ class Eagle3Proposer(Proposer):
         problems = []
         if vc.hidden_size != cfg.verifier_hidden_size:
             problems.append(f"hidden size {vc.hidden_size} != draft's {cfg.verifier_hidden_size}")
-        vocab = verifier.get_output_embeddings().weight.shape[0]
+        vocab = output_vocab_size(verifier)
         if vocab != cfg.vocab_size:
             problems.append(f"vocabulary {vocab} != draft's {cfg.vocab_size}")
         if max(cfg.aux_layer_ids) > vc.num_hidden_layers:

@@ -76,7 +76,7 @@ class _CompiledStep:
 
     def __init__(self, decoder: LeanDecoder) -> None:
         self.decoder = decoder
-        self.cuda = decoder.layers[0].wq.device.type == "cuda"
+        self.cuda = decoder.device.type == "cuda"
         self.caches: dict[str, KVCache] = {}
         self.warm: set[tuple] = set()  # (capacity, one-token?, aux) shapes already compiled
         mode = "reduce-overhead" if self.cuda else None  # reduce-overhead: CUDA graphs

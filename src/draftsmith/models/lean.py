@@ -23,6 +23,7 @@ the transformers forward instead.
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -76,19 +77,32 @@ def lean_unsupported(model: torch.nn.Module) -> str | None:
     return None
 
 
+#: ``x -> x W^T + b`` of one projection: F.linear bound to a Linear's weight, or a module's own forward.
+Projection = Callable[[torch.Tensor], torch.Tensor]
+
+
+def projection(module: torch.nn.Module) -> Projection:
+    """The projection ``module`` computes, callable without nn.Module's hook machinery.
+
+    A plain ``nn.Linear`` (its weight may be a tensor subclass, e.g. torchao's quantized
+    tensors, which dispatch ``F.linear`` themselves) becomes ``F.linear`` bound to its
+    parameters; any other module (a quantized linear that packs its weight) runs its
+    own ``forward``, so the lean path computes what the module computes.
+    """
+    if type(module).forward is torch.nn.Linear.forward:
+        return functools.partial(F.linear, weight=module.weight, bias=module.bias)
+    return module.forward
+
+
 @dataclass
 class _Layer:
     """References into one decoder layer (no copies of weights)."""
 
     in_norm: Callable
-    wq: torch.Tensor
-    bq: torch.Tensor | None
-    wk: torch.Tensor
-    bk: torch.Tensor | None
-    wv: torch.Tensor
-    bv: torch.Tensor | None
-    wo: torch.Tensor
-    bo: torch.Tensor | None
+    q: Projection
+    k: Projection
+    v: Projection
+    o: Projection
     q_norm: Callable | None
     k_norm: Callable | None
     scale: float
@@ -99,12 +113,9 @@ class _Layer:
     mlp_norm: Callable
     post_mlp_norm: Callable | None  # sandwich layout only
     act: Callable
-    wg: torch.Tensor
-    bg: torch.Tensor | None
-    wu: torch.Tensor
-    bu: torch.Tensor | None
-    wd: torch.Tensor
-    bd: torch.Tensor | None
+    gate: Projection
+    up: Projection
+    down: Projection
     rope_key: str | None  # Gemma 3 keeps one rotary table per layer type
 
 
@@ -127,7 +138,9 @@ class LeanDecoder:
         self.model = model
         self.embed = model.get_input_embeddings()
         self.norm = base.norm
-        self.lm_head = model.get_output_embeddings()
+        self.head = projection(model.get_output_embeddings())
+        # The cache's dtype and device: the embedding's (a quantized projection has no float weight to ask).
+        self.dtype, self.device = self.embed.weight.dtype, self.embed.weight.device
         self.rotary = base.rotary_emb
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         self.windows = layer_windows(cfg)
@@ -137,17 +150,15 @@ class LeanDecoder:
         for i, layer in enumerate(base.layers[: cfg.num_hidden_layers]):
             a, mlp = layer.self_attn, layer.mlp
             sandwich = hasattr(layer, "pre_feedforward_layernorm")
-            nh = a.q_proj.out_features // a.head_dim
+            nh = a.q_proj.out_features // a.head_dim  # a quantized linear keeps in/out_features too
             nkv = a.k_proj.out_features // a.head_dim
             self.layers.append(_Layer(
-                layer.input_layernorm, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
-                a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, a.o_proj.bias,
-                getattr(a, "q_norm", None), getattr(a, "k_norm", None), a.scaling, nh, nkv, a.head_dim,
-                layer.post_attention_layernorm if sandwich else None,
+                layer.input_layernorm, projection(a.q_proj), projection(a.k_proj), projection(a.v_proj),
+                projection(a.o_proj), getattr(a, "q_norm", None), getattr(a, "k_norm", None), a.scaling, nh, nkv,
+                a.head_dim, layer.post_attention_layernorm if sandwich else None,
                 layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm,
                 layer.post_feedforward_layernorm if sandwich else None,
-                mlp.act_fn, mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.up_proj.bias,
-                mlp.down_proj.weight, mlp.down_proj.bias,
+                mlp.act_fn, projection(mlp.gate_proj), projection(mlp.up_proj), projection(mlp.down_proj),
                 types[i] if per_type_rope else None))
         self.rope_keys = sorted({L.rope_key for L in self.layers}, key=str)
         self.apply_rope = sys.modules[type(base.layers[0].self_attn).__module__].apply_rotary_pos_emb
@@ -156,9 +167,8 @@ class LeanDecoder:
 
     def new_cache(self, capacity: int) -> KVCache:
         """An empty cache for ``capacity`` positions in the model's dtype and device."""
-        w = self.layers[0].wq
         return KVCache(self.num_layers, [L.nkv for L in self.layers], [L.hd for L in self.layers], capacity,
-                       w.dtype, w.device, self.windows)
+                       self.dtype, self.device, self.windows)
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, keep: int | None,
                 aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -184,26 +194,26 @@ class LeanDecoder:
                 saved[i] = x
             cos, sin = rope[L.rope_key]
             h = L.in_norm(x)
-            q = F.linear(h, L.wq, L.bq).view(1, m, L.nh, L.hd)
-            k = F.linear(h, L.wk, L.bk).view(1, m, L.nkv, L.hd)
-            v = F.linear(h, L.wv, L.bv).view(1, m, L.nkv, L.hd).transpose(1, 2)
+            q = L.q(h).view(1, m, L.nh, L.hd)
+            k = L.k(h).view(1, m, L.nkv, L.hd)
+            v = L.v(h).view(1, m, L.nkv, L.hd).transpose(1, 2)
             if L.q_norm is not None:
                 q, k = L.q_norm(q), L.k_norm(k)
             q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             a = cache.attend(i, q, k, v, pos, L.scale)  # [1, nh, m, hd]
-            a = F.linear(a.transpose(1, 2).reshape(1, m, L.nh * L.hd), L.wo, L.bo)
+            a = L.o(a.transpose(1, 2).reshape(1, m, L.nh * L.hd))
             if L.post_attn_norm is not None:
                 a = L.post_attn_norm(a)
             x = x + a
             h = L.mlp_norm(x)
-            h = F.linear(L.act(F.linear(h, L.wg, L.bg)) * F.linear(h, L.wu, L.bu), L.wd, L.bd)
+            h = L.down(L.act(L.gate(h)) * L.up(h))
             if L.post_mlp_norm is not None:
                 h = L.post_mlp_norm(h)
             x = x + h
         x = self.norm(x)
         if self.num_layers in aux_layer_ids:
             saved[self.num_layers] = x
-        logits = F.linear(x if keep is None else x[:, -keep:], self.lm_head.weight, self.lm_head.bias)[0]
+        logits = self.head(x if keep is None else x[:, -keep:])[0]
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         hidden = torch.cat([saved[i][0] for i in aux_layer_ids], -1) if aux_layer_ids else None

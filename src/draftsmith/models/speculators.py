@@ -28,6 +28,7 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.eagle3 import Eagle3Config, Eagle3Draft, default_aux_layer_ids
+from draftsmith.models.quantize import output_vocab_size
 from draftsmith.models.verifier import text_config
 from draftsmith.utils import atomic_dir, command_line, environment_info
 
@@ -255,7 +256,7 @@ def validate_against_verifier(cfg: Eagle3Config, verifier: Any, what: str = "dra
                         f"{cfg.verifier_hidden_size} (transformer_layer_config.hidden_size / target_hidden_size)")
     vocab = vc.vocab_size
     if isinstance(verifier, torch.nn.Module) and verifier.get_output_embeddings() is not None:
-        vocab = verifier.get_output_embeddings().weight.shape[0]
+        vocab = output_vocab_size(verifier)
     if vocab != cfg.vocab_size:
         problems.append(f"its vocabulary has {vocab} tokens but the draft's has {cfg.vocab_size} "
                         "(transformer_layer_config.vocab_size)")

@@ -1,0 +1,131 @@
+"""Quantized copies of a verifier: the alternative to a draft that is faster but not lossless.
+
+``int8`` (CPU): W8A8 with dynamic *per-token* activation scales. Every ``nn.Linear``
+(the decoder's projections and the output head) keeps its weight as int8 with one
+symmetric scale per output channel; at run time each input row (token) is scaled to
+int8 by its own absolute maximum, multiplied in int32 (``torch._int_mm``, exact) and
+rescaled to the input dtype. Embeddings, norms and attention stay in the model's dtype.
+
+Why per-token: a token's result then depends on that token alone, never on which
+other tokens share the forward (the integer product is exact, the scales are per
+row), so the quantized verifier is one well-defined model and speculative decoding on
+it reproduces its own plain decoding as in float32. ``torch.ao.quantization.quantize_dynamic``
+(deprecated in torch 2.10, still shipped in 2.13) scales activations *per tensor*:
+a k+1-token verify forward then quantizes each token with a scale set by the others,
+computes another function than the one-token step, and speculative decoding on it
+leaves its plain decoding (``tests/test_quantize.py`` shows both). torchao's int8 tensors
+run eagerly on CPU by dequantizing the whole weight per call (slower than float32
+here); they pay off under ``torch.compile`` only.
+
+``int4`` (CUDA): torchao's int4 weight-only format (group size 128, tinygemm's
+tile-packed layout, bfloat16 activations), the format transformers loads with
+``TorchAoConfig``. Needs ``torchao`` (``requirements-quant.txt``) and a GPU of compute
+capability 8.0 or newer. Not tested here (no GPU on the development machines).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from draftsmith.errors import DraftsmithError
+
+#: Quantization name -> (device type it runs on, one line for reports and ``--help``).
+QUANTIZATIONS: dict[str, tuple[str, str]] = {
+    "int8": ("cpu", "int8 weights per channel, int8 activations per token (W8A8 dynamic), CPU"),
+    "int4": ("cuda", "torchao int4 weight-only, group 128, bfloat16 activations (tinygemm), CUDA; needs torchao"),
+}
+TORCHAO_PIN = "torchao==0.18.0"
+INT4_GROUP_SIZE = 128
+
+
+class Int8Linear(torch.nn.Module):
+    """A linear layer with int8 weights (per output channel) and int8 activations (per token).
+
+    ``y = (round(x / s_x) @ round(W / s_w)^T) * s_x * s_w + b`` with ``s_x = max|x_row| / 127``
+    and ``s_w = max|W_row| / 127``; the product is accumulated in int32 (exact).
+    """
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(-1).clamp_min(1e-12) / 127.0  # [N]
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))  # [N, K]
+        self.register_buffer("scale", scale)
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().clone(),
+                                                                         requires_grad=False)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).float()  # [M, K]
+        s_x = x2.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127.0  # [M, 1]: one scale per token
+        xq = torch.round(x2 / s_x).clamp(-127, 127).to(torch.int8)
+        # qweight.t() is a transposed view: the layout the CPU int8 GEMM reads fastest (measured).
+        y = torch._int_mm(xq, self.qweight.t()).float() * s_x * self.scale  # [M, N]
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, W8A8 per-token"
+
+
+def _swap_linears(module: torch.nn.Module) -> int:
+    """Replace every ``nn.Linear`` below ``module`` with :class:`Int8Linear`; returns how many."""
+    n = 0
+    for name, child in module.named_children():
+        if type(child) is torch.nn.Linear:
+            setattr(module, name, Int8Linear(child))
+            n += 1
+        else:
+            n += _swap_linears(child)
+    return n
+
+
+def quantize_verifier(model: torch.nn.Module, method: str) -> torch.nn.Module:
+    """A quantized copy of ``model`` (the original is left as it is).
+
+    Args:
+        model: a transformers causal LM (float weights).
+        method: a key of :data:`QUANTIZATIONS`.
+
+    Raises:
+        DraftsmithError: unknown method, the wrong device for it, or a missing package.
+    """
+    if method not in QUANTIZATIONS:
+        raise DraftsmithError(f"--quantize: expected one of {list(QUANTIZATIONS)}, got {method!r}")
+    device = next(model.parameters()).device
+    wants = QUANTIZATIONS[method][0]
+    if device.type != wants:
+        other = next(m for m, (d, _) in QUANTIZATIONS.items() if d == device.type) if any(
+            d == device.type for d, _ in QUANTIZATIONS.values()) else None
+        raise DraftsmithError(f"--quantize {method} runs on {wants.upper()}, the verifier is on {device}"
+                              + (f"; use --quantize {other} there" if other else ""))
+    if method == "int8":
+        q = copy.deepcopy(model)
+        if _swap_linears(q) == 0:
+            raise DraftsmithError("--quantize int8: the verifier has no nn.Linear layers to quantize")
+        return q.eval()
+    return _torchao_int4(model)
+
+
+def _torchao_int4(model: torch.nn.Module) -> torch.nn.Module:
+    try:
+        from torchao.quantization import Int4WeightOnlyConfig, quantize_
+    except ImportError as e:
+        raise DraftsmithError(f"--quantize int4 needs torchao: pip install --no-deps {TORCHAO_PIN} "
+                              "(requirements-quant.txt)") from e
+    if torch.cuda.get_device_capability(next(model.parameters()).device)[0] < 8:
+        raise DraftsmithError("--quantize int4: tinygemm's int4 kernel needs a GPU of compute capability >= 8.0")
+    q = copy.deepcopy(model).to(torch.bfloat16)  # the tile-packed int4 tensors take bfloat16 activations only
+    # Layers whose input width is not a multiple of the group size stay in bfloat16 (torchao skips them too).
+    quantize_(q, Int4WeightOnlyConfig(group_size=INT4_GROUP_SIZE, int4_packing_format="tile_packed_to_4d"),
+              filter_fn=lambda m, _fqn: isinstance(m, torch.nn.Linear) and m.in_features % INT4_GROUP_SIZE == 0)
+    return q.eval()
+
+
+def output_vocab_size(model: torch.nn.Module) -> int:
+    """Rows of the model's output head (a quantized head has no float weight to ask)."""
+    head = model.get_output_embeddings()
+    return int(getattr(head, "out_features", None) or head.weight.shape[0])

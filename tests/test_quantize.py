@@ -1,0 +1,206 @@
+"""Quantized verifier: the int8 layer's arithmetic, its batch invariance (and the per-tensor
+scheme that lacks it), lossless speculative decoding on it, and its bench rows and report."""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+
+from conftest import perturbed_copy, tiny_model
+from draftsmith import generate
+from draftsmith.decoding import DraftModelProposer, NgramProposer
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.quantize import Int8Linear, output_vocab_size, quantize_verifier
+
+
+def _per_tensor_dynamic(model: torch.nn.Module) -> torch.nn.Module:
+    """torch.ao's dynamic int8 (activation scale per tensor): the scheme draftsmith does not use."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its deprecation notice
+        from torch.ao.quantization import quantize_dynamic
+
+        return quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear}, dtype=torch.qint8)
+
+
+def _prompt(seed: int, n: int = 12) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    head = torch.randint(2, 128, (n,), generator=g).tolist()
+    return head + head[: n // 2]
+
+
+def test_int8_linear_is_the_integer_product_rescaled():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48)
+    q = Int8Linear(lin)
+    x = torch.randn(3, 5, 64)
+    y = q(x)
+    assert y.shape == (3, 5, 48) and y.dtype == torch.float32
+    # exact reference in float64: the int8 codes and scales, multiplied without rounding
+    w = lin.weight.detach().double()
+    s_w = w.abs().amax(-1) / 127
+    wq = torch.round(w / s_w[:, None])
+    x2 = x.reshape(-1, 64).double()
+    s_x = x2.abs().amax(-1, keepdim=True) / 127
+    xq = torch.round(x2 / s_x)
+    ref = (xq @ wq.T) * s_x * s_w + lin.bias.detach().double()
+    assert torch.allclose(y.reshape(-1, 48).double(), ref, rtol=1e-5, atol=1e-5)
+    assert q.qweight.dtype == torch.int8 and int(q.qweight.abs().max()) == 127
+    # and close to the float layer (quantization error, a few percent of the output scale)
+    err = (y - lin(x)).abs().max() / lin(x).abs().max()
+    assert 0 < err < 0.05
+
+
+def test_int8_per_token_is_batch_invariant_and_per_tensor_is_not():
+    """A token's output must not depend on the other tokens of the forward; torch.ao's per-tensor
+    activation scale (the negative control) makes it depend on them."""
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(64, 32)
+    x = torch.randn(4, 64)
+    x[3] *= 50  # one loud token sets a per-tensor scale for all
+    one_by_one = lambda f: torch.cat([f(x[i:i + 1]) for i in range(4)])  # noqa: E731
+    q = Int8Linear(lin)
+    assert torch.equal(q(x), one_by_one(q))
+    pt = _per_tensor_dynamic(torch.nn.Sequential(lin))
+    assert not torch.equal(pt(x), one_by_one(pt))
+    assert (pt(x)[:3] - one_by_one(pt)[:3]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma3"])
+def test_speculative_decoding_on_int8_reproduces_its_plain_decoding(arch):
+    verifier = tiny_model(arch, scale=1.0)  # flatter logits than the default: int8 changes some outputs
+    q = quantize_verifier(verifier, "int8")
+    assert isinstance(q.get_output_embeddings(), Int8Linear) and output_vocab_size(q) == 128
+    assert not isinstance(verifier.get_output_embeddings(), Int8Linear)  # the original is left alone
+    drafters = {"perfect": DraftModelProposer(verifier), "partial": DraftModelProposer(perturbed_copy(verifier, 0.02)),
+                "ngram": NgramProposer()}
+    changed = 0
+    for seed in range(3):
+        prompt = _prompt(seed)
+        full = generate(verifier, prompt, max_new_tokens=40, eos_token_id=[]).token_ids
+        plain = generate(q, prompt, max_new_tokens=40, eos_token_id=[]).token_ids
+        assert plain == generate(q, prompt, max_new_tokens=40, eos_token_id=[], engine="hf-static").token_ids
+        changed += plain != full
+        for name, d in drafters.items():
+            out = generate(q, prompt, proposer=d, max_new_tokens=40, num_draft_tokens=4, eos_token_id=[])
+            assert out.token_ids == plain, (arch, name, seed)
+    assert changed  # quantization does change these outputs: the equalities above are not vacuous
+
+
+def test_per_tensor_quantized_verifier_is_not_lossless_negative_control():
+    """Why int8 is per token: on torch.ao's per-tensor int8 model, speculative decoding leaves its plain decoding."""
+    verifier = tiny_model("qwen2")
+    pt = _per_tensor_dynamic(verifier)
+    differ = 0
+    for seed in range(3):
+        prompt = _prompt(seed)
+        plain = generate(pt, prompt, max_new_tokens=40, eos_token_id=[]).token_ids
+        spec = generate(pt, prompt, proposer=DraftModelProposer(verifier), max_new_tokens=40, num_draft_tokens=4,
+                        eos_token_id=[]).token_ids
+        differ += plain != spec
+    assert differ >= 2
+
+
+def test_quantize_errors_name_the_flag():
+    verifier = tiny_model("llama")
+    with pytest.raises(DraftsmithError, match="--quantize int4 runs on CUDA.*use --quantize int8"):
+        quantize_verifier(verifier, "int4")
+    with pytest.raises(DraftsmithError, match="--quantize: expected one of"):
+        quantize_verifier(verifier, "int3")
+
+
+# ----------------------------------------------------------------------------- bench rows and report
+@pytest.fixture(scope="module")
+def bench_report(tmp_path_factory):
+    from test_bench import _cfg, _prompts
+
+    from draftsmith.bench import benchmark
+
+    out = tmp_path_factory.mktemp("qbench")
+    verifier = tiny_model("llama")
+    verifier.generation_config.eos_token_id = None
+    cfg = _cfg(out, num_draft_tokens=[2], quantize=["int8"], max_new_tokens=24, num_prompts=3, hf_reference=False)
+    drafters = {"perfect": DraftModelProposer(verifier), "ngram": NgramProposer()}
+    report = benchmark(verifier, _prompts(3), drafters, cfg, out, {"verifier": "tiny", "dataset": "synthetic"})
+    return report, out
+
+
+def test_bench_quantized_rows_speedups_and_quality(bench_report):
+    report, out = bench_report
+    rows = {r["name"]: r for r in report["rows"]}
+    assert list(rows) == ["plain (ours)", "perfect k=2", "ngram k=2", "int8 plain", "int8 + perfect k=2",
+                          "int8 + ngram k=2"]
+    q = rows["int8 plain"]
+    assert q["kind"] == "quantized" and q["quant"] == "int8" and q["speedup"]["n"] == 3
+    qual = q["quality"]
+    assert qual["vs"] == "plain (ours)" and qual["prompts"] == 3
+    # the numbers against what the runs produced
+    per = qual["first_divergence"]["per_prompt"]
+    full = json.loads((out / "report.json").read_text())
+    assert qual == full["rows"][3]["quality"]
+    assert qual["identical_rate"] == sum(i is None for i in per) / 3
+    assert qual["identical_rate"] < 1  # this tiny model's int8 twin leaves it on these prompts
+    assert qual["mean_logprob"] < qual["reference_mean_logprob"] < 0  # full precision prefers its own greedy tokens
+    for name in ("int8 + perfect k=2", "int8 + ngram k=2"):
+        r = rows[name]
+        # lossless against the quantized plain row, and the same quality change as it
+        assert r["reference"] == "int8 plain" and r["outputs"]["identical"] == 3 and r["identical_output_rate"] == 1.0
+        assert r["quality"]["first_divergence"] == qual["first_divergence"]
+        assert r["drafter"].endswith("@int8") and r["speedup"]["n"] == 3
+    assert rows["int8 + perfect k=2"]["acceptance"]["acceptance_rate"] < 1  # the fp draft is not int8's twin
+    assert set(report["break_even"]) == {"perfect", "ngram"}  # the cost model is the full-precision verifier's
+
+
+def test_which_to_choose_table(bench_report):
+    report, out = bench_report
+    table = report["which_to_choose"]
+    assert [(c["option"], c["row"]) for c in table] == [
+        ("plain", "plain (ours)"), ("draft", "perfect k=2"), ("draft", "ngram k=2"), ("quantized", "int8 plain"),
+        ("quantized + draft", "int8 + perfect k=2"), ("quantized + draft", "int8 + ngram k=2")]
+    ident = report["rows"][3]["quality"]["identical_prompts"]
+    assert table[1]["lossless"] == "yes (3/3 identical)" and table[1]["quality"] == "none"
+    assert table[3]["lossless"] == f"no ({ident} identical)" and "first divergence at token" in table[3]["quality"]
+    assert table[4]["lossless"] == f"no ({ident} identical); vs int8 plain: yes (3/3 identical)"
+    md = (out / "report.md").read_text()
+    assert md.rstrip().splitlines()[-len(table) - 2].startswith("| option | row | speedup |")
+    assert "| quantized + draft | int8 + ngram k=2 |" in md and "## Which to choose" in md
+
+
+def test_which_to_choose_classifies_mismatches_and_ties():
+    from draftsmith.bench.report import which_to_choose
+
+    def row(name, kind, drafter=None, quant=None, speed=1.2, outputs=None, quality=None):
+        return {"name": name, "kind": kind, "drafter": drafter, "quant": quant, "engine": "draftsmith",
+                "speedup": {"median": speed}, "outputs": outputs, "identical_output_rate": None,
+                "quality": quality}
+
+    quality = {"identical_prompts": "1/4", "first_divergence": {"median": 7, "min": 2},
+               "mean_logprob": -1.5, "reference_mean_logprob": -1.25}
+    rows = [row("plain (ours)", "plain", speed=None),
+            row("a k=2", "drafter", "a", speed=1.1, outputs={"identical": 3, "tie": 1, "mismatch": 0}),
+            row("a k=4", "drafter", "a", speed=1.3, outputs={"identical": 3, "tie": 0, "mismatch": 1}),
+            row("int8 plain", "quantized", quant="int8", speed=1.4, quality=quality),
+            row("int8 + a k=2", "drafter", "a @int8", "int8", 1.6, {"identical": 4, "tie": 0, "mismatch": 0}, quality)]
+    assert which_to_choose(rows[:3], 0.0) == []  # no quantized rows: no table
+    table = which_to_choose(rows, 0.0)
+    assert table[1]["row"] == "a k=4" and table[1]["lossless"] == "NO: 1 mismatch(es), a bug"
+    assert table[2]["quality"] == ("1/4 outputs identical, first divergence at token 7 (median; earliest 2); "
+                                   "mean log-prob/token under full precision -1.500 (its own outputs: -1.250)")
+    assert table[3]["speedup"] == 1.6 and table[3]["lossless"] == "no (1/4 identical); vs int8 plain: yes (4/4 identical)"
+    rows[2]["speedup"]["median"] = 1.0  # now the k with a tie is the best
+    assert which_to_choose(rows, 0.0)[1]["lossless"] == "yes (3/4 identical, 1 numerical tie(s))"
+    assert which_to_choose(rows, 0.7)[1]["lossless"] == "yes (sampling: exact by construction)"
+
+
+def test_bench_quantize_setting_is_checked(tmp_path):
+    from test_bench import _cfg
+
+    with pytest.raises(DraftsmithError, match="--quantize: expected some of"):
+        _cfg(tmp_path, quantize=["int3"])
+    with pytest.raises(DraftsmithError, match="--quantize"):
+        _cfg(tmp_path, quantize=["int8"], engines=["vllm"])
+    assert _cfg(tmp_path, quantize=["int8", "int8"]).quantize == ["int8"]
+    assert _cfg(tmp_path).quantize == []  # off by default
