@@ -120,3 +120,23 @@ def test_fit_training_uses_the_time_left_and_is_stored(tmp_path):
     again = B.fit_training(cfg, plan, tokens, elapsed=0.0, out=tmp_path)
     assert again.train.epochs == fitted.train.epochs == stored["epochs"]
     assert dataclasses.replace(cfg, train=again.train).train.max_minutes == stored["max_minutes"]
+
+
+def test_regeneration_costs_discount_the_first_calls_warm_up():
+    """Batches cost 10 s + 0.5 s per decode step; the first call of a run pays 3 s of warm-up more."""
+    from draftsmith.pipeline.budget import LONG_REPLY, SHORT_REPLY, regeneration_costs
+
+    calls = []
+
+    def timed(n):
+        calls.append(n)
+        return 10.0 + 0.5 * n + (3.0 if len(calls) == 1 else 0.0)
+
+    fixed, per_token, short = regeneration_costs(timed)
+    assert calls == [SHORT_REPLY, LONG_REPLY, SHORT_REPLY]
+    assert per_token == pytest.approx(0.5) and fixed == pytest.approx(10.0)
+    assert short == pytest.approx(10.0 + 0.5 * SHORT_REPLY)
+    # negative control: the old rule (one short run, the warm-up run) underprices a step by 3/16 s
+    first_short = 10.0 + 0.5 * SHORT_REPLY + 3.0
+    old = ((10.0 + 0.5 * LONG_REPLY) - first_short) / (LONG_REPLY - SHORT_REPLY)
+    assert old < 0.5 * 0.7

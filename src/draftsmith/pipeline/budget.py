@@ -23,7 +23,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.gate import MIN_JUDGED_PROMPTS
@@ -37,6 +37,8 @@ MIN_CONVERSATIONS = 16
 #: predicted minutes are multiplied by this before they are compared with the budget (a
 #: plan that fits exactly on a quiet machine overruns on a busy one)
 SAFETY = 1.1
+#: reply lengths of the regeneration calibration (tokens): fixed cost and cost per decode step
+SHORT_REPLY, LONG_REPLY = 2, 18
 
 
 @dataclass
@@ -196,6 +198,22 @@ def save_plan(path: Path, key: dict[str, Any], plan: Plan) -> None:
                                    "plan": asdict(plan), "created": time.strftime("%Y-%m-%d %H:%M:%S")})
 
 
+def regeneration_costs(timed_batch: Callable[[int], float]) -> tuple[float, float, float]:
+    """A regeneration batch's fixed cost (prefill), its cost per decode step, and the short batch's time.
+
+    ``timed_batch(n)`` regenerates one batch with replies of ``n`` tokens and returns its
+    seconds. The short length runs twice, first and last, and its faster time counts: the
+    first call of a run also pays one-time warm-up, which once made a 10-token batch look no
+    dearer than a 2-token one (a fresh-clone demo then planned ~0 s per step and regenerated
+    2.1x over its plan).
+    """
+    short = timed_batch(SHORT_REPLY)
+    long_ = timed_batch(LONG_REPLY)
+    short = min(short, timed_batch(SHORT_REPLY))
+    per_token = max((long_ - short) / (LONG_REPLY - SHORT_REPLY), 1e-6)
+    return max(short - SHORT_REPLY * per_token, 0.0), per_token, short
+
+
 def calibrate(vd: Any, v: Any, data: Any, train: Any, bench: Any, work: Path, progress: bool = False) -> Rates:
     """Time every step on a few real inputs (the first seconds of a budgeted run).
 
@@ -223,17 +241,17 @@ def calibrate(vd: Any, v: Any, data: Any, train: Any, bench: Any, work: Path, pr
     model, tok = vd.model, vd.tokenizer
     source = "sharegpt" if data.dataset == "self" else data.dataset  # self-written prompts: costed as ShareGPT's
     convs = load_prompts(source, split="train", limit=data.batch_size, seed=data.seed)
-    timings = {}
-    for n_new in (2, 10):
+
+    def timed_batch(n_new: int) -> float:
         path = work / f"regen-{n_new}.jsonl"
         path.unlink(missing_ok=True)
         t0 = time.perf_counter()
         regenerate(model, tok, convs, path, max_new_tokens=n_new, batch_size=data.batch_size,
                    max_prompt_tokens=data.max_prompt_tokens, seed=data.seed, progress=progress)
-        timings[n_new] = time.perf_counter() - t0
-    per_token = max((timings[10] - timings[2]) / 8, 1e-6)
-    fixed = max(timings[2] - 2 * per_token, 0.0)
-    replied = load_regenerated(work / "regen-10.jsonl")
+        return time.perf_counter() - t0
+
+    fixed, per_token, short_seconds = regeneration_costs(timed_batch)
+    replied = load_regenerated(work / f"regen-{LONG_REPLY}.jsonl")
     prompt_tokens = sum(r.meta.get("prompt_tokens", 0) for r in replied) / max(len(replied), 1)
 
     t0 = time.perf_counter()
@@ -262,6 +280,9 @@ def calibrate(vd: Any, v: Any, data: Any, train: Any, bench: Any, work: Path, pr
     n = 24
     out_gen = generate(v.model, prompt, max_new_tokens=n, eos_token_id=[])
     decode = (time.perf_counter() - t0 - out_gen.stats["prefill_seconds"]) / max(len(out_gen.token_ids) - 1, 1)
+    # A decode step of a whole batch costs at least one sequence's step (a floor against noise).
+    if per_token < decode:
+        fixed, per_token = max(short_seconds - SHORT_REPLY * decode, 0.0), decode
     return Rates(regen_batch_fixed=fixed, regen_batch_per_token=per_token, batch_size=data.batch_size,
                  reply_tokens=float(data.max_new_tokens), prompt_tokens=prompt_tokens,
                  capture_per_token=capture_per_token, train_per_position=train_per_position,

@@ -207,7 +207,7 @@ def _components(base_image: str, packages: list[str], install_kfp: bool) -> dict
         Path(reasons).write_text("; ".join(result["reasons"]))
         Path(verdict).write_text(json.dumps(result))
         log_metrics(metrics, {**result, "passed": float(result["passed"])})
-        print(("PASS: " if result["passed"] else "FAIL: ") + " ".join(result["reasons"]))
+        print(("PASS: " if result["passed"] else "FAIL: ") + "; ".join(result["reasons"]))
         return bool(result["passed"])
 
     def export(config_json: str, draft: Input[Model], report: Input[Artifact], verdict: str,

@@ -141,7 +141,7 @@ def verdict_line(report: dict[str, Any]) -> str:
     measured = (f"measured speedup {s:.2f}x at k={g.get('k')}, acceptance length {g['acceptance_length']:.2f}"
                 if s is not None else "not measured")
     where = f" -> deployable draft: {report['deployed_draft']}" if g["passed"] else ""
-    return f"{head}: {measured}. {' '.join(g['reasons'])}{where}"
+    return f"{head}: {measured}. {'; '.join(g['reasons'])}{where}"
 
 
 def _finish(report: dict[str, Any], out: Path) -> int:
