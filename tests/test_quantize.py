@@ -204,3 +204,47 @@ def test_bench_quantize_setting_is_checked(tmp_path):
         _cfg(tmp_path, quantize=["int8"], engines=["vllm"])
     assert _cfg(tmp_path, quantize=["int8", "int8"]).quantize == ["int8"]
     assert _cfg(tmp_path).quantize == []  # off by default
+
+
+
+def _verify_vs_steps(model: torch.nn.Module, per_query: bool, seed: int, m: int = 4, vocab: int = 128) -> float:
+    """Largest |logit| difference between one m-token verify forward and m one-token steps."""
+    from draftsmith.decoding.runner import verifier_runner
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, vocab, (20 + seed,), generator=g)
+    with torch.inference_mode():
+        r = verifier_runner(model, 64, mode="lean")
+        assert r.cache.per_query  # a verifier that rounds its activations attends per query by default
+        r.cache.per_query = per_query
+        r.forward(ids[:-m], 1)
+        verify, _ = r.forward(ids[-m:], m)
+        r.rollback(len(ids) - m)
+        steps = torch.cat([r.forward(ids[len(ids) - m + j:len(ids) - m + j + 1], 1)[0] for j in range(m)])
+    return (verify - steps).abs().max().item()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma3"])
+def test_int8_verify_forward_is_bitwise_a_one_token_step(arch):
+    """With one query at a time, an m-token verify of the W8A8 verifier computes every position
+    bitwise as a one-token step does, so speculative decoding on it is exactly its plain decoding."""
+    q = quantize_verifier(tiny_model(arch, scale=1.0), "int8")
+    assert all(_verify_vs_steps(q, True, seed) == 0.0 for seed in range(6))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])  # mistral's windowed masks round alike here
+def test_int8_verify_forward_attending_all_queries_at_once_is_not_bitwise_negative_control(arch):
+    """What per-query attention removes: one SDPA call over the m queries rounds an ulp
+    differently from one-token steps (tiny models: ~5e-7, too small to cross an int8 step)."""
+    q = quantize_verifier(tiny_model(arch, scale=1.0), "int8")
+    assert max(_verify_vs_steps(q, False, seed) for seed in range(8)) > 0.0
+
+
+@pytest.mark.slow
+def test_int8_smollm2_verify_is_bitwise_and_the_ulp_becomes_an_int8_step(smollm2):
+    """On a real model the ulp crosses int8 rounding boundaries: attending all queries at once moves
+    logits by whole units (measured 2.6 on SmolLM2-135M; Gemma-3-270M 2.0), per-query attention by 0."""
+    model, _, _ = smollm2
+    q = quantize_verifier(model, "int8")
+    assert max(_verify_vs_steps(q, False, seed, vocab=5000) for seed in range(3)) > 0.1
+    assert all(_verify_vs_steps(q, True, seed, vocab=5000) == 0.0 for seed in range(3))

@@ -144,8 +144,13 @@ class LeanRunner(VerifierRunner):
     def __init__(self, model: torch.nn.Module, capacity: int, compile: bool = False,
                  aux_layer_ids: tuple[int, ...] = (), warmup_shapes: tuple[int, ...] = (),
                  role: str = "verifier") -> None:
-        self.compiled = compile
         self.aux = tuple(aux_layer_ids)
+        if compile and any(getattr(mod, "rounds_activations", False) for mod in model.modules()):
+            # The compiled step attends all queries at once over a static cache; a verifier that
+            # rounds its activations needs one query at a time to stay bitwise (models/kv.py).
+            log.warning("--compile: this verifier rounds its activations (int8); its steps run eager")
+            compile = False
+        self.compiled = compile
         if not compile:
             self.decoder = LeanDecoder(model)
             self.cache = self.decoder.new_cache(capacity)
@@ -366,6 +371,10 @@ def verifier_runner(model: torch.nn.Module, capacity: int, compile: bool = False
         if mode == "lean" and lean_unsupported(model):
             raise DraftsmithError(f"the lean forward cannot run this model: {lean_unsupported(model)}")
         return LeanRunner(model, capacity, compile, aux_layer_ids, warmup_shapes, role)
+    if any(getattr(mod, "rounds_activations", False) for mod in model.modules()):
+        log.warning("this verifier rounds its activations (int8) and runs the %s path (%s): its verify "
+                    "forwards may round an ulp into an int8 step, and speculative output may leave its "
+                    "plain decoding; the lean path attends per query and stays exact", kind, why)
     if compile:
         log.warning("--compile applies to the lean path only; this model runs the %s path (%s)", kind, why)
     elif why:

@@ -18,6 +18,15 @@ Two ways to read the cache, same buffers:
 - static (``static=True``, for ``torch.compile`` and CUDA graphs): write at the
   position tensor with ``index_copy_`` and attend over all S slots under a mask built
   from that tensor, so every shape is fixed and nothing in the step reads T on the host.
+
+``per_query=True`` (eager only) makes a multi-token forward after the prompt attend
+one query at a time, each exactly as a one-token step at its position would: the
+same call on the same keys. A verifier whose other operations are row-wise exact
+(int8 matmuls with per-token activation scales, norms, rope, elementwise ops) then
+computes each position bitwise as plain decoding does. A W8A8 verifier needs it:
+its activation rounding turns an ulp of attention rounding into a whole int8 step
+(logits ~1 apart on Gemma-3-270M, BENCHMARKS.md section 12). Costs m attention
+calls per layer instead of one.
 """
 
 from __future__ import annotations
@@ -41,11 +50,12 @@ class KVCache:
         dtype: buffer dtype (the model's).
         device: buffer device.
         windows: per layer sliding window W, or None for full attention.
+        per_query: attend one query at a time after the prompt (see the module docstring).
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int | Sequence[int], head_dim: int | Sequence[int],
                  capacity: int, dtype: torch.dtype, device: torch.device | str,
-                 windows: Sequence[int | None] | None = None) -> None:
+                 windows: Sequence[int | None] | None = None, per_query: bool = False) -> None:
         if capacity < 1:
             raise DraftsmithError(f"KV cache capacity must be >= 1, got {capacity}")
         nkv = [num_kv_heads] * num_layers if isinstance(num_kv_heads, int) else list(num_kv_heads)
@@ -58,6 +68,7 @@ class KVCache:
         self.capacity = capacity
         self.length = 0
         self.static = False
+        self.per_query = per_query
 
     @property
     def nbytes(self) -> int:
@@ -127,10 +138,19 @@ class KVCache:
                 mask = mask & (slots[None, :] > pos[:, None] - W)
             return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scale, enable_gqa=True)
         m = q.shape[2]
-        start, end = self.length, self.length + m
+        start = self.length
         self.check_room(m)
-        K[:, :, start:end] = k
-        V[:, :, start:end] = v
+        K[:, :, start:start + m] = k
+        V[:, :, start:start + m] = v
+        if self.per_query and m > 1 and start > 0:
+            return torch.cat([self._read(i, q[:, :, j:j + 1], start + j, scale) for j in range(m)], 2)
+        return self._read(i, q, start, scale)
+
+    def _read(self, i: int, q: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+        """Attention of the queries at ``[start, start+m)`` over the cached keys up to them (eager)."""
+        K, V, W = self.keys[i], self.values[i], self.windows[i]
+        m = q.shape[2]
+        end = start + m
         lo = 0 if W is None else max(0, start - W + 1)  # the oldest key any of the m queries sees
         mask, causal = None, False
         if m > 1 and lo == 0 and start == 0 and (W is None or m <= W):

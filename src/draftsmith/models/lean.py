@@ -164,11 +164,14 @@ class LeanDecoder:
         self.apply_rope = sys.modules[type(base.layers[0].self_attn).__module__].apply_rotary_pos_emb
         self.num_layers = len(self.layers)
         self.hidden_size = cfg.hidden_size
+        # A layer that rounds its input (W8A8 int8) needs each position's inputs bitwise as a
+        # one-token step makes them: attention one query at a time (see models/kv.py).
+        self.per_query = any(getattr(mod, "rounds_activations", False) for mod in model.modules())
 
     def new_cache(self, capacity: int) -> KVCache:
         """An empty cache for ``capacity`` positions in the model's dtype and device."""
         return KVCache(self.num_layers, [L.nkv for L in self.layers], [L.hd for L in self.layers], capacity,
-                       self.dtype, self.device, self.windows)
+                       self.dtype, self.device, self.windows, per_query=self.per_query)
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, keep: int | None,
                 aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:

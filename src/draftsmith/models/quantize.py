@@ -8,8 +8,14 @@ rescaled to the input dtype. Embeddings, norms and attention stay in the model's
 
 Why per-token: a token's result then depends on that token alone, never on which
 other tokens share the forward (the integer product is exact, the scales are per
-row), so the quantized verifier is one well-defined model and speculative decoding on
-it reproduces its own plain decoding as in float32. ``torch.ao.quantization.quantize_dynamic``
+row), so the quantized verifier is one well-defined model. That alone is not enough:
+the rounding to int8 is discontinuous, and a k+1-token verify forward's attention
+rounds an ulp differently from a one-token step's; where that crosses a rounding
+boundary the layer's output moves by a whole int8 step (Gemma-3-270M: logits 1-2
+apart, BENCHMARKS.md section 12). So the lean engine attends one query at a time on
+such a verifier (``KVCache(per_query=True)``), every position is then computed
+bitwise as plain decoding computes it, and speculative decoding on the quantized
+verifier reproduces its own plain decoding exactly. ``torch.ao.quantization.quantize_dynamic``
 (deprecated in torch 2.10, still shipped in 2.13) scales activations *per tensor*:
 a k+1-token verify forward then quantizes each token with a scale set by the others,
 computes another function than the one-token step, and speculative decoding on it
@@ -45,7 +51,13 @@ class Int8Linear(torch.nn.Module):
 
     ``y = (round(x / s_x) @ round(W / s_w)^T) * s_x * s_w + b`` with ``s_x = max|x_row| / 127``
     and ``s_w = max|W_row| / 127``; the product is accumulated in int32 (exact).
+
+    ``rounds_activations`` tells the lean engine that this layer rounds its input: an
+    ulp of difference upstream can move a whole int8 step, so a verify forward must
+    reach it with bitwise the inputs a one-token step would (``KVCache(per_query=True)``).
     """
+
+    rounds_activations = True
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
