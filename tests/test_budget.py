@@ -140,3 +140,26 @@ def test_regeneration_costs_discount_the_first_calls_warm_up():
     first_short = 10.0 + 0.5 * SHORT_REPLY + 3.0
     old = ((10.0 + 0.5 * LONG_REPLY) - first_short) / (LONG_REPLY - SHORT_REPLY)
     assert old < 0.5 * 0.7
+
+
+def test_limiting_onednn_below_amx_turns_bf16_data_off(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA=AVX2 makes an AMX machine plan and train as a CPU without AMX does
+    (float32 data step), and a plan made with AMX is not reused then."""
+    import torch
+
+    from draftsmith.pipeline.budget import machine_key
+    from draftsmith.pipeline.steps import data_dtype
+    from draftsmith.utils import cpu_has_amx
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert cpu_has_amx() and data_dtype("auto", "cpu") == "bfloat16"  # control: the flag decides
+    with_amx = machine_key()
+    for isa in ("AVX2", "avx512_core", "AVX512_CORE_BF16"):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+        assert not cpu_has_amx() and data_dtype("auto", "cpu") == "float32"
+        assert machine_key() != with_amx
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    assert cpu_has_amx()
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert not cpu_has_amx() and data_dtype("auto", "cpu") == "float32"

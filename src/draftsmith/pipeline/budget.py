@@ -165,7 +165,7 @@ def make_plan(budget_minutes: float, rates: Rates, *, max_new_tokens: int, epoch
 
 
 def machine_key() -> dict[str, Any]:
-    """What a plan's rates depend on: the CPU model, torch's thread count, the CUDA device."""
+    """What a plan's rates depend on: the CPU model, AMX in use, torch's thread count, the CUDA device."""
     import re
 
     import torch
@@ -176,7 +176,9 @@ def machine_key() -> dict[str, Any]:
         cpu = m.group(1).strip() if m else None
     except OSError:
         pass
-    return {"cpu": cpu, "threads": torch.get_num_threads(),
+    from draftsmith.utils import cpu_has_amx
+
+    return {"cpu": cpu, "amx": cpu_has_amx(), "threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 

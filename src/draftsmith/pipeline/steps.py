@@ -26,10 +26,10 @@ def data_dtype(dtype: str, device: str) -> str:
     """Resolve ``data.dtype``: "auto" is bfloat16 where it is fast (CUDA, AMX CPUs), else float32."""
     if dtype != "auto":
         return dtype
-    from draftsmith.utils import resolve_device
+    from draftsmith.utils import cpu_has_amx, resolve_device
 
     dev = resolve_device(device)
-    if dev.type == "cuda" or getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+    if dev.type == "cuda" or cpu_has_amx():
         return "bfloat16"
     return "float32"
 

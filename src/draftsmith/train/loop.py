@@ -26,7 +26,8 @@ from draftsmith.models.eagle3 import Eagle3Config, Eagle3Draft
 from draftsmith.models.vocab import coverage, grow_vocab, select_vocab, token_counts
 from draftsmith.train.loss import shift_left, step_mask, ttt_loss
 from draftsmith.train.packing import PackedBatch, collate, pack_rows
-from draftsmith.utils import atomic_write_bytes, atomic_write_json, command_line, environment_info, progress_bar
+from draftsmith.utils import (atomic_write_bytes, atomic_write_json, command_line, cpu_has_amx, environment_info,
+                              progress_bar)
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,7 @@ def _use_bf16(precision: str, device: torch.device) -> bool:
         return precision == "bf16"
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    return cpu_has_amx()
 
 
 def _final_norm(verifier: torch.nn.Module) -> torch.nn.Module | None:
