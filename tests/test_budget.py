@@ -163,3 +163,16 @@ def test_limiting_onednn_below_amx_turns_bf16_data_off(monkeypatch):
     assert cpu_has_amx()
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     assert not cpu_has_amx() and data_dtype("auto", "cpu") == "float32"
+
+
+def test_prompts_regeneration_drops_are_planned_for():
+    """Regeneration drops prompts over data.max_prompt_tokens (13 of 64 ShareGPT prompts at 512):
+    the plan asks for that many more, so the data it trains on is what the budget pays for."""
+    import dataclasses
+
+    full = B.make_plan(20, FAST, **KW)
+    half = B.make_plan(20, dataclasses.replace(FAST, kept_fraction=0.5), **KW)
+    assert half.predicted_total * B.SAFETY <= 20 * 60 * 1.001
+    assert half.predicted_seconds["train"] == pytest.approx(full.predicted_seconds["train"], rel=0.15)
+    assert half.num_conversations == pytest.approx(2 * full.num_conversations, rel=0.1)
+    assert (half.num_conversations * 0.5) % 64 == 0  # whole batches of the kept prompts

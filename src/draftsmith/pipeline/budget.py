@@ -39,6 +39,8 @@ MIN_CONVERSATIONS = 16
 SAFETY = 1.1
 #: reply lengths of the regeneration calibration (tokens): fixed cost and cost per decode step
 SHORT_REPLY, LONG_REPLY = 2, 18
+#: training steps the calibration times, and how many of them are warm-up (not counted)
+TRAIN_STEPS, TRAIN_WARMUP_STEPS = 8, 3
 
 
 @dataclass
@@ -56,6 +58,8 @@ class Rates:
         train_per_position: one packed training position through the draft (forward + backward).
         decode_per_token: one plain decode step of the verifier at the bench's dtype.
         load_seconds: model loads and other fixed costs of a run (calibration included).
+        kept_fraction: share of the prompts regeneration keeps (it drops those longer than
+            ``data.max_prompt_tokens``), measured on the calibration batch.
     """
 
     regen_batch_fixed: float
@@ -67,6 +71,7 @@ class Rates:
     train_per_position: float
     decode_per_token: float
     load_seconds: float = 0.0
+    kept_fraction: float = 1.0
 
 
 @dataclass
@@ -124,9 +129,12 @@ def make_plan(budget_minutes: float, rates: Rates, *, max_new_tokens: int, epoch
         raise DraftsmithError(f"--budget must be a positive number of minutes, got {budget_minutes}")
     budget = budget_minutes * 60 / SAFETY
     reply = min(rates.reply_tokens, max_new_tokens)
-    per_conv = {"regenerate": (rates.regen_batch_fixed + reply * rates.regen_batch_per_token) / rates.batch_size,
-                "capture": (rates.prompt_tokens + reply) * rates.capture_per_token,
-                "train": epochs * (rates.prompt_tokens + reply) * rates.train_per_position}
+    kept = min(max(rates.kept_fraction, 0.05), 1.0)
+    # per prompt asked for: only the kept share is regenerated, captured and trained on
+    per_conv = {"regenerate": kept * (rates.regen_batch_fixed + reply * rates.regen_batch_per_token)
+                / rates.batch_size,
+                "capture": kept * (rates.prompt_tokens + reply) * rates.capture_per_token,
+                "train": kept * epochs * (rates.prompt_tokens + reply) * rates.train_per_position}
     one_bench_prompt = bench_seconds(rates, 1, bench_max_new_tokens, bench_rows, repeats) - \
         bench_seconds(rates, 0, bench_max_new_tokens, bench_rows, repeats)
     bench_fixed = bench_seconds(rates, 0, bench_max_new_tokens, bench_rows, repeats)
@@ -134,7 +142,7 @@ def make_plan(budget_minutes: float, rates: Rates, *, max_new_tokens: int, epoch
     # a regeneration batch is paid whole even when it is not full
     min_batch = rates.regen_batch_fixed + reply * rates.regen_batch_per_token
     minimum = (fixed + bench_fixed + min_prompts * one_bench_prompt + min_batch
-               + MIN_CONVERSATIONS * (per_conv["capture"] + per_conv["train"]))
+               + MIN_CONVERSATIONS / kept * (per_conv["capture"] + per_conv["train"]))
     if budget < minimum:
         raise DraftsmithError(f"--budget {budget_minutes:g} is too small for the smallest useful run on this "
                               f"machine ({MIN_CONVERSATIONS} conversations, {min_prompts} bench prompts): "
@@ -144,21 +152,24 @@ def make_plan(budget_minutes: float, rates: Rates, *, max_new_tokens: int, epoch
     bench = bench_fixed + prompts * one_bench_prompt
     left = budget - fixed - bench
     n = int(left // sum(per_conv.values()))
-    if n < MIN_CONVERSATIONS:  # the bench share left too little: shrink the bench to its minimum
+    least = math.ceil(MIN_CONVERSATIONS / kept)
+    if n < least:  # the bench share left too little: shrink the bench to its minimum
         prompts = min_prompts
         bench = bench_fixed + prompts * one_bench_prompt
-        n = max(MIN_CONVERSATIONS, int((budget - fixed - bench) // sum(per_conv.values())))
-    if n >= rates.batch_size:  # whole batches: a part-filled one costs as much as a full one
-        n -= n % rates.batch_size
-    batches = math.ceil(n / rates.batch_size)
+        n = max(least, int((budget - fixed - bench) // sum(per_conv.values())))
+    m = n * kept  # conversations regenerated
+    if m >= rates.batch_size:  # whole batches: a part-filled one costs as much as a full one
+        m -= m % rates.batch_size
+        n = math.ceil(m / kept - 1e-9)
+    batches = math.ceil(m / rates.batch_size)
     tokens = rates.prompt_tokens + reply
-    predicted = {"fixed": fixed, "regenerate": batches * min_batch, "capture": n * per_conv["capture"],
-                 "train": n * per_conv["train"], "bench": bench}
+    predicted = {"fixed": fixed, "regenerate": batches * min_batch, "capture": m * tokens * rates.capture_per_token,
+                 "train": m * epochs * tokens * rates.train_per_position, "bench": bench}
     # what rounding to whole batches left over goes to training (at most twice the asked epochs)
     spare = budget - sum(predicted.values())
-    extra = min(max(spare, 0.0) / (n * tokens * rates.train_per_position), epochs)
+    extra = min(max(spare, 0.0) / (m * tokens * rates.train_per_position), epochs)
     epochs = epochs + extra
-    predicted["train"] = n * epochs * tokens * rates.train_per_position
+    predicted["train"] = m * epochs * tokens * rates.train_per_position
     # training may run over its prediction by a third before it is stopped (steps vary less than data)
     train_max = max(predicted["train"] * 4 / 3, 30.0) / 60
     return Plan(budget_minutes, n, round(epochs, 3), prompts, train_max, predicted, asdict(rates), dict(machine or {}))
@@ -254,6 +265,7 @@ def calibrate(vd: Any, v: Any, data: Any, train: Any, bench: Any, work: Path, pr
 
     fixed, per_token, short_seconds = regeneration_costs(timed_batch)
     replied = load_regenerated(work / f"regen-{LONG_REPLY}.jsonl")
+    kept_fraction = len(replied) / max(len(convs), 1)  # prompts over data.max_prompt_tokens are dropped
     prompt_tokens = sum(r.meta.get("prompt_tokens", 0) for r in replied) / max(len(replied), 1)
 
     t0 = time.perf_counter()
@@ -269,11 +281,13 @@ def calibrate(vd: Any, v: Any, data: Any, train: Any, bench: Any, work: Path, pr
     pack = min(train.pack_tokens, max(64, captured // 4))
     cfg = TrainConfig(verifier=v.spec, out=str(out), draft_vocab_size=train.draft_vocab_size, pack_tokens=pack,
                       ttt_steps=train.ttt_steps, precision=train.precision, val_fraction=0.0, eval_every=10**6,
-                      checkpoint_every=10**6, max_steps=4, epochs=100.0, device=v.device)
+                      checkpoint_every=10**6, max_steps=TRAIN_STEPS, epochs=100.0, device=v.device)
     run_train(cfg, samples=samples, verifier=v.model, fingerprint="calibration",
               aux_layer_ids=resolve_aux_layer_ids(model), progress=False)
     rates = [json.loads(line).get("tokens_per_s") for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steady = [r for r in rates[1:] if r] or [r for r in rates if r]
+    # the first steps also pay one-time costs (allocator, kernel selection): they priced training
+    # 2x too dear in a 10-minute run, whose training then ended in a quarter of its share
+    steady = [r for r in rates[TRAIN_WARMUP_STEPS:] if r] or [r for r in rates if r]
     train_per_position = 1.0 / (sorted(steady)[len(steady) // 2])
 
     (_, prompt), = eval_set(bench.dataset, v.tokenizer, limit=1)
@@ -288,7 +302,8 @@ def calibrate(vd: Any, v: Any, data: Any, train: Any, bench: Any, work: Path, pr
     return Rates(regen_batch_fixed=fixed, regen_batch_per_token=per_token, batch_size=data.batch_size,
                  reply_tokens=float(data.max_new_tokens), prompt_tokens=prompt_tokens,
                  capture_per_token=capture_per_token, train_per_position=train_per_position,
-                 decode_per_token=decode, load_seconds=time.perf_counter() - t_start)
+                 decode_per_token=decode, load_seconds=time.perf_counter() - t_start,
+                 kept_fraction=kept_fraction)
 
 
 def plan_key(cfg: Any) -> dict[str, Any]:
