@@ -123,23 +123,25 @@ def test_fit_training_uses_the_time_left_and_is_stored(tmp_path):
 
 
 def test_regeneration_costs_discount_the_first_calls_warm_up():
-    """Batches cost 10 s + 0.5 s per decode step; the first call of a run pays 3 s of warm-up more."""
+    """Batches cost 10 s + 0.5 s per decode step; the first call of a run pays 3 s of warm-up
+    more, and the first call of each new reply length 0.2 s per step it has not seen before."""
     from draftsmith.pipeline.budget import LONG_REPLY, SHORT_REPLY, regeneration_costs
 
     calls = []
 
     def timed(n):
+        new_steps = n - max([c for c in calls] or [0])  # cache lengths not seen in an earlier call
         calls.append(n)
-        return 10.0 + 0.5 * n + (3.0 if len(calls) == 1 else 0.0)
+        return 10.0 + 0.5 * n + (3.0 if len(calls) == 1 else 0.0) + 0.2 * max(new_steps, 0)
 
     fixed, per_token, short = regeneration_costs(timed)
-    assert calls == [SHORT_REPLY, LONG_REPLY, SHORT_REPLY]
+    assert calls == [SHORT_REPLY, LONG_REPLY, SHORT_REPLY, LONG_REPLY]
     assert per_token == pytest.approx(0.5) and fixed == pytest.approx(10.0)
     assert short == pytest.approx(10.0 + 0.5 * SHORT_REPLY)
-    # negative control: the old rule (one short run, the warm-up run) underprices a step by 3/16 s
-    first_short = 10.0 + 0.5 * SHORT_REPLY + 3.0
-    old = ((10.0 + 0.5 * LONG_REPLY) - first_short) / (LONG_REPLY - SHORT_REPLY)
-    assert old < 0.5 * 0.7
+    # negative control: the previous rule (the faster short run, the first long run) overprices a step
+    first_long = 10.0 + 0.5 * LONG_REPLY + 0.2 * (LONG_REPLY - SHORT_REPLY)
+    steady_short = 10.0 + 0.5 * SHORT_REPLY
+    assert (first_long - steady_short) / (LONG_REPLY - SHORT_REPLY) > 0.5 * 1.3
 
 
 def test_limiting_onednn_below_amx_turns_bf16_data_off(monkeypatch):
