@@ -44,8 +44,7 @@ import torch.nn.functional as F
 
 def linear_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
     """(out, in) of every linear layer of the verifier, the output head included."""
-    shapes = [tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    return shapes
+    return [tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
 
 def matmul_rate(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtype, repeats: int) -> float:

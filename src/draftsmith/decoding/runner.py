@@ -30,6 +30,7 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.kv import KVCache
 from draftsmith.models.lean import LeanDecoder, layer_windows, lean_unsupported
+from draftsmith.models.quantize import rounds_activations
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ class LeanRunner(VerifierRunner):
                  aux_layer_ids: tuple[int, ...] = (), warmup_shapes: tuple[int, ...] = (),
                  role: str = "verifier") -> None:
         self.aux = tuple(aux_layer_ids)
-        if compile and any(getattr(mod, "rounds_activations", False) for mod in model.modules()):
+        if compile and rounds_activations(model):
             # The compiled step attends all queries at once over a static cache; a verifier that
             # rounds its activations needs one query at a time to stay bitwise (models/kv.py).
             log.warning("--compile: this verifier rounds its activations (int8); its steps run eager")
@@ -371,7 +372,7 @@ def verifier_runner(model: torch.nn.Module, capacity: int, compile: bool = False
         if mode == "lean" and lean_unsupported(model):
             raise DraftsmithError(f"the lean forward cannot run this model: {lean_unsupported(model)}")
         return LeanRunner(model, capacity, compile, aux_layer_ids, warmup_shapes, role)
-    if any(getattr(mod, "rounds_activations", False) for mod in model.modules()):
+    if rounds_activations(model):
         log.warning("this verifier rounds its activations (int8) and runs the %s path (%s): its verify "
                     "forwards may round an ulp into an int8 step, and speculative output may leave its "
                     "plain decoding; the lean path attends per query and stays exact", kind, why)

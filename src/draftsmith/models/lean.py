@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.models.kv import KVCache
+from draftsmith.models.quantize import rounds_activations
 
 #: ``config.model_type`` values whose layers this forward reproduces exactly.
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
@@ -166,7 +167,7 @@ class LeanDecoder:
         self.hidden_size = cfg.hidden_size
         # A layer that rounds its input (W8A8 int8) needs each position's inputs bitwise as a
         # one-token step makes them: attention one query at a time (see models/kv.py).
-        self.per_query = any(getattr(mod, "rounds_activations", False) for mod in model.modules())
+        self.per_query = rounds_activations(model)
 
     def new_cache(self, capacity: int) -> KVCache:
         """An empty cache for ``capacity`` positions in the model's dtype and device."""

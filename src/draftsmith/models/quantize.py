@@ -83,6 +83,12 @@ class Int8Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, W8A8 per-token"
 
 
+def rounds_activations(model: torch.nn.Module) -> bool:
+    """Whether a layer of ``model`` rounds its input (:class:`Int8Linear`): its verify forwards must
+    then attend one query at a time to compute what one-token steps compute (``KVCache(per_query=True)``)."""
+    return any(getattr(mod, "rounds_activations", False) for mod in model.modules())
+
+
 def _swap_linears(module: torch.nn.Module) -> int:
     """Replace every ``nn.Linear`` below ``module`` with :class:`Int8Linear`; returns how many."""
     n = 0
