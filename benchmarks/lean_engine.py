@@ -11,7 +11,8 @@ what it compares (the order rotates), on one verifier (SmolLM2-135M float32 by d
 2. ``context``: a one-token verifier step at C cached tokens for C in ``--contexts``,
    lean vs hf-dynamic (the curve). Target: lean step at 1024 within 10% of the one at 128.
 3. ``draft``: one cached EAGLE-3 draft step (random weights; draft vocab ``--draft-vocab``)
-   against a verifier one-token step at the same context. Target: <= 5%.
+   against a verifier one-token step at the same context, and its share of the weights a
+   verifier step reads (the floor a GEMV-bound step can reach). Target: <= 5%.
 4. ``rss``: peak RSS of a child process that decodes to ``--rss-context`` tokens of
    context, plainly and with an EAGLE-3 draft, lean vs hf-dynamic (and, with
    ``--baseline-src``, an older checkout's engine). Target: lean <= 1.10x the old engine.
@@ -290,7 +291,22 @@ def section_draft(args, model, out: dict) -> None:
     res["median_ms"] = med
     res["draft_over_verifier"] = {k: med[k] / med["verifier"] for k in med if k != "verifier"}
     res["target_5pct"] = {k: v <= 0.05 for k, v in res["draft_over_verifier"].items()}
+    # The floor a step can reach: its share of the matmul weights a verifier step reads
+    # (a one-token step is a chain of GEMVs, bound by the weights it reads).
+    res["weight_share"] = {f"draft-{vd}": draft_step_params(p.draft) / linear_params(model)
+                           for vd, (p, _) in proposers.items()}
     out["draft"] = res
+
+
+def linear_params(module: torch.nn.Module) -> int:
+    """Parameters of the linear layers (output head included) a forward of ``module`` multiplies by."""
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+
+
+def draft_step_params(draft) -> int:
+    """Linear parameters one cached EAGLE-3 draft step uses: its layer and head, not ``fc``
+    (which maps the verifier's hidden states in the first step of a round only)."""
+    return linear_params(draft.layers) + draft.lm_head.weight.numel()
 
 
 # ----------------------------------------------------------------------------------------- 4. peak RSS
@@ -362,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2, help="timed passes over the prompts (section plain)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
-    ap.add_argument("--step-repeats", type=int, default=20, help="timed steps per point (context, draft)")
+    ap.add_argument("--step-repeats", type=int, default=60, help="timed steps per point (context, draft)")
     ap.add_argument("--draft-context", type=int, default=128, help="cached positions in the draft section")
     ap.add_argument("--draft-vocab", type=int, nargs="+", default=[8192, 32000])
     ap.add_argument("--rss-context", type=int, default=2048)
@@ -429,6 +445,8 @@ def report(out: dict) -> None:
         d = out["draft"]
         print(f"[draft] at {d['context']} cached: " + "  ".join(f"{k}: {v:.2f} ms" for k, v in d["median_ms"].items()))
         print("  draft / verifier step: " + "  ".join(f"{k}: {100 * v:.1f}%" for k, v in d["draft_over_verifier"].items()))
+        print("  its share of the weights a verifier step reads (the floor): "
+              + "  ".join(f"{k}: {100 * v:.1f}%" for k, v in d["weight_share"].items()))
     if "rss" in out:
         r = out["rss"]
         for k, v in r.items():

@@ -52,7 +52,8 @@ class DataSection:
     max_new_tokens: int = opt(256, "longest regenerated response")
     temperature: float = opt(0.0, "regeneration temperature (0: the verifier's greedy outputs, for a draft "
                                   "served at greedy)")
-    batch_size: int = opt(64, "regeneration batch size (prompts per generate call)")
+    batch_size: int = opt(16, "regeneration batch size (prompts per generate call; 16 was the fastest of "
+                              "8-64 on ShareGPT prompts on both CPU kinds measured, BENCHMARKS.md section 9c)")
     max_prompt_tokens: int = opt(512, "longer prompts are dropped")
     max_length: int = opt(1024, "capture truncates samples to this many tokens")
     capture_batch_size: int = opt(8, "capture forward batch size")
@@ -123,8 +124,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
              "bench": {"num_prompts": 2, "max_new_tokens": 32, "num_draft_tokens": [3], "hf_reference": False}},
     # small: `make demo`'s budget, sized to finish in 25 minutes on 2 cores even when the shared
     # host runs 2x slow (measured: 28.6 min with 4 epochs, k in {3, 5} and HF reference rows on
-    # such a day, bench 47% of it). The section defaults (256 conversations at batch 64; 512 at
-    # batch 128 measured 3x slower per batch), 3 epochs (6 overfit: train acc 0.5-0.7 vs
+    # such a day, bench 47% of it). The section defaults (regeneration batch 16: 64 was 1.3x
+    # slower in bfloat16 and 1.8x in float32, long prompts pad whole batches), 3 epochs (6 overfit: train acc 0.5-0.7 vs
     # validation 0.3), and a bench of 8 prompts at k = 3 against our plain loop (the break-even
     # analysis predicts the other k; `draftsmith bench` adds the HF reference rows).
     "small": {"train": {"epochs": 3.0, "draft_vocab_size": 8192, "eval_every": 50},
@@ -134,7 +135,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     # MT-Bench (1.47 -> 1.52 -> 1.78, BENCHMARKS.md section 3), so the preset asks 6 epochs over
     # the cut replies (~3000 steps); that exact schedule has not been run end to end here.
     "full": {"data": {"num_conversations": 3000, "max_new_tokens": 320, "max_prompt_tokens": 384,
-                      "batch_size": 128, "max_length": 768},
+                      "max_length": 768},
              "train": {"epochs": 6, "ttt_steps": 5, "draft_vocab_size": 8192, "pack_tokens": 1024,
                        "eval_every": 200},
              "bench": {"num_prompts": 80, "num_draft_tokens": [3, 5]}},
