@@ -178,3 +178,11 @@ def test_prompts_regeneration_drops_are_planned_for():
     assert half.predicted_seconds["train"] == pytest.approx(full.predicted_seconds["train"], rel=0.15)
     assert half.num_conversations == pytest.approx(2 * full.num_conversations, rel=0.1)
     assert (half.num_conversations * 0.5) % 64 == 0  # whole batches of the kept prompts
+
+
+def test_kept_prompts_share_and_mean_length():
+    """The kept share and mean length count only prompts within the limit; none fitting is refused."""
+    assert B.kept_prompts([10, 20, 600, 30], 512) == (0.75, 20.0)
+    assert B.kept_prompts([10, 600], None) == (1.0, 305.0)
+    with pytest.raises(DraftsmithError, match="none of the 2 sampled prompts"):
+        B.kept_prompts([600, 700], 512)

@@ -57,6 +57,24 @@ def _read_regenerated(path: Path, generation: dict[str, Any], known_ids: set[str
     return done
 
 
+def prompt_limit(model: torch.nn.Module, max_new_tokens: int, max_prompt_tokens: int | None) -> int | None:
+    """The longest prompt (tokens, chat template applied) regeneration keeps; None: no limit.
+
+    A prompt must leave room for ``max_new_tokens`` in the verifier's context.
+
+    Raises:
+        DraftsmithError: ``max_new_tokens`` fills the whole context.
+    """
+    ctx = context_length(model)
+    limit = max_prompt_tokens
+    if ctx is not None:
+        if ctx - max_new_tokens < 1:
+            raise DraftsmithError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the "
+                                  f"verifier's context of {ctx} tokens")
+        limit = min(limit or ctx, ctx - max_new_tokens)
+    return limit
+
+
 def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[Conversation], out_path: Path, *,
                max_new_tokens: int = 256, temperature: float = 0.0, top_p: float | None = None,
                batch_size: int = 8, max_prompt_tokens: int | None = None, seed: int = 0, progress: bool = True,
@@ -130,14 +148,8 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
     out_path = Path(out_path)
     done = _read_regenerated(out_path, generation, seen)
 
-    # Prompts must leave room for max_new_tokens in the context.
     ctx = context_length(model)
-    limit = max_prompt_tokens
-    if ctx is not None:
-        if ctx - max_new_tokens < 1:
-            raise DraftsmithError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the "
-                                  f"verifier's context of {ctx} tokens")
-        limit = min(limit or ctx, ctx - max_new_tokens)
+    limit = prompt_limit(model, max_new_tokens, max_prompt_tokens)
     prompts: list[tuple[int, list[int]]] = []
     for j, c in enumerate(convs):
         ids = encode_chat(tokenizer, c.prompt_messages(), add_generation_prompt=True)

@@ -34,6 +34,7 @@ BENCH_SHARE = 0.2
 MIN_BENCH_PROMPTS = 6  # one k measured: the gate judges on all of them (gate.MIN_JUDGED_PROMPTS)
 MAX_BENCH_PROMPTS = 80
 MIN_CONVERSATIONS = 16
+KEPT_SAMPLE = 256  # prompts tokenized to measure the share regeneration keeps
 #: predicted minutes are multiplied by this before they are compared with the budget (a
 #: plan that fits exactly on a quiet machine overruns on a busy one)
 SAFETY = 1.1
@@ -59,7 +60,7 @@ class Rates:
         decode_per_token: one plain decode step of the verifier at the bench's dtype.
         load_seconds: model loads and other fixed costs of a run (calibration included).
         kept_fraction: share of the prompts regeneration keeps (it drops those longer than
-            ``data.max_prompt_tokens``), measured on the calibration batch.
+            ``data.max_prompt_tokens``), measured on ``KEPT_SAMPLE`` tokenized prompts.
     """
 
     regen_batch_fixed: float
@@ -231,6 +232,19 @@ def regeneration_costs(timed_batch: Callable[[int], float]) -> tuple[float, floa
     return max(short - SHORT_REPLY * per_token, 0.0), per_token, short
 
 
+def kept_prompts(lengths: list[int], limit: int | None) -> tuple[float, float]:
+    """The share of prompts regeneration keeps (those of at most ``limit`` tokens) and their mean length.
+
+    Raises:
+        DraftsmithError: no prompt fits (nothing could be regenerated).
+    """
+    kept = [n for n in lengths if limit is None or n <= limit]
+    if not kept:
+        raise DraftsmithError(f"none of the {len(lengths)} sampled prompts fits in {limit} tokens; "
+                              "raise data.max_prompt_tokens or lower data.max_new_tokens")
+    return len(kept) / len(lengths), sum(kept) / len(kept)
+
+
 def calibrate(vd: Any, v: Any, data: Any, train: Any, bench: Any, work: Path, progress: bool = False) -> Rates:
     """Time every step on a few real inputs (the first seconds of a budgeted run).
 
@@ -246,7 +260,8 @@ def calibrate(vd: Any, v: Any, data: Any, train: Any, bench: Any, work: Path, pr
         The measured :class:`Rates`; ``load_seconds`` includes the calibration itself.
     """
     from draftsmith.data.capture import capture_samples, resolve_aux_layer_ids
-    from draftsmith.data.regenerate import load_regenerated, regenerate
+    from draftsmith.data.chat import encode_chat
+    from draftsmith.data.regenerate import load_regenerated, prompt_limit, regenerate
     from draftsmith.data.sources import eval_set, load_prompts
     from draftsmith.decoding.engine import generate
     from draftsmith.train.loop import TrainConfig
@@ -269,8 +284,13 @@ def calibrate(vd: Any, v: Any, data: Any, train: Any, bench: Any, work: Path, pr
 
     fixed, per_token, short_seconds = regeneration_costs(timed_batch)
     replied = load_regenerated(work / f"regen-{LONG_REPLY}.jsonl")
-    kept_fraction = len(replied) / max(len(convs), 1)  # prompts over data.max_prompt_tokens are dropped
-    prompt_tokens = sum(r.meta.get("prompt_tokens", 0) for r in replied) / max(len(replied), 1)
+    # Which prompts regeneration keeps, and their length, from a bigger sample than one batch
+    # (tokenizing costs nothing next to generating): 16 calibration prompts had none over
+    # 512 tokens where the run then dropped 8 of 32 (BENCHMARKS.md 9b).
+    sample = load_prompts(source, split="train", limit=KEPT_SAMPLE, seed=data.seed)
+    limit = prompt_limit(model, data.max_new_tokens, data.max_prompt_tokens)
+    kept_fraction, prompt_tokens = kept_prompts(
+        [len(encode_chat(tok, c.prompt_messages(), add_generation_prompt=True)) for c in sample], limit)
 
     # One batch first: a first forward pays one-time costs (measured: capture priced 3.6x too dear,
     # 188 s planned against 52 s taken, float32 without AMX), which the run's capture pays only once.
