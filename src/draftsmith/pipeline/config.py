@@ -125,9 +125,10 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     # small: `make demo`'s budget, sized to finish in 25 minutes on 2 cores even when the shared
     # host runs 2x slow (measured: 28.6 min with 4 epochs, k in {3, 5} and HF reference rows on
     # such a day, bench 47% of it). The section defaults (regeneration batch 16: 64 was 1.3x
-    # slower in bfloat16 and 1.8x in float32, long prompts pad whole batches), 3 epochs (6 overfit: train acc 0.5-0.7 vs
-    # validation 0.3), and a bench of 8 prompts at k = 3 against our plain loop (the break-even
-    # analysis predicts the other k; `draftsmith bench` adds the HF reference rows).
+    # slower in bfloat16 and 1.8x in float32, long prompts pad whole batches), 3 epochs (6
+    # overfit: train acc 0.5-0.7 vs validation 0.3), and a bench of 8 prompts at k = 3 against
+    # our plain loop (the break-even analysis predicts the other k; `draftsmith bench` adds the
+    # HF reference rows).
     "small": {"train": {"epochs": 3.0, "draft_vocab_size": 8192, "eval_every": 50},
               "bench": {"num_prompts": 8, "num_draft_tokens": [3], "hf_reference": False}},
     # full: the best budget measured here. Its draft, 2 epochs over the uncut replies and then
