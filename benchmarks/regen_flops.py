@@ -2,7 +2,9 @@
 
 The data step regenerates replies with the verifier in left-padded batches
 (``draftsmith.data.regenerate``). This times it at several batch sizes on the same
-ShareGPT prompts, and beside it, in the same run, the verifier's own linear layers
+ShareGPT prompts, with each of ``generate_batch``'s engines side by side (``lean``:
+our batched forward over a preallocated cache, finished rows leave the batch; ``hf``:
+``transformers.generate``), and counts how many replies the engines agree on; and beside it, in the same run, the verifier's own linear layers
 as bare matmuls (``F.linear`` on every weight shape, ``M`` rows): the FLOP rate the
 hardware gives these shapes with nothing else around them.
 
@@ -72,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verifier", default="smollm2-135m")
     ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 32, 64])
+    ap.add_argument("--engines", nargs="+", default=["lean", "hf"], choices=["lean", "hf"],
+                    help="generate_batch engines, run side by side per batch size")
     ap.add_argument("--num-prompts", type=int, default=64, help="ShareGPT prompts regenerated per batch size")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
@@ -97,35 +101,43 @@ def main(argv: list[str] | None = None) -> int:
                  "isa_limits": {k: os.environ.get(k) for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
                                                                "MKL_ENABLE_INSTRUCTIONS")},
                  "started": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average_start": os.getloadavg(), "rows": []}
+    rates: dict[tuple[str, int], float] = {}
     for dtype in args.dtype:
         model, tok, _ = load_verifier(args.verifier, dtype=dtype, device="cpu")
         shapes = linear_shapes(model)
         params = sum(o * i for o, i in shapes)
-        for b in args.batch_sizes:
+        replies: dict[tuple[str, int], list[str]] = {}
+        for b, engine in [(b, e) for b in args.batch_sizes for e in args.engines]:
             with tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp) / "r.jsonl"
                 regenerate(model, tok, convs[:b], path, max_new_tokens=4, batch_size=b,
-                           max_prompt_tokens=args.max_prompt_tokens, progress=False)  # warm-up
+                           max_prompt_tokens=args.max_prompt_tokens, progress=False, engine=engine)  # warm-up
                 path.unlink()
                 t0 = time.perf_counter()
                 regenerate(model, tok, convs, path, max_new_tokens=args.max_new_tokens, batch_size=b,
-                           max_prompt_tokens=args.max_prompt_tokens, progress=False)
+                           max_prompt_tokens=args.max_prompt_tokens, progress=False, engine=engine)
                 seconds = time.perf_counter() - t0
                 recs = load_regenerated(path)
+                replies[engine, b] = [r.messages[-1]["content"] for r in recs]
             prompt = sum(r.meta["prompt_tokens"] for r in recs)
             reply = sum(r.meta["completion_tokens"] for r in recs)
             useful = 2 * params * (prompt + reply)
             prefill_rows = min(4096, max(b, round(b * prompt / max(len(recs), 1))))
-            rate_prefill = matmul_rate(shapes, prefill_rows, getattr(torch, dtype), args.matmul_repeats)
-            rate_decode = matmul_rate(shapes, b, getattr(torch, dtype), args.matmul_repeats)
+            for rows in (prefill_rows, b):
+                if (dtype, rows) not in rates:
+                    rates[dtype, rows] = matmul_rate(shapes, rows, getattr(torch, dtype), args.matmul_repeats)
+            rate_prefill, rate_decode = rates[dtype, prefill_rows], rates[dtype, b]
             bound = 2 * params * prompt / rate_prefill + 2 * params * reply / rate_decode
-            row = {"dtype": dtype, "batch_size": b, "conversations": len(recs), "seconds": seconds,
+            row = {"dtype": dtype, "engine": engine, "batch_size": b, "conversations": len(recs), "seconds": seconds,
                    "prompt_tokens": prompt, "reply_tokens": reply, "reply_tokens_per_s": reply / seconds,
                    "useful_flops_per_s": useful / seconds, "matmul_flops_per_s_prefill": rate_prefill,
                    "prefill_rows": prefill_rows, "matmul_flops_per_s_decode": rate_decode,
                    "bound_seconds": bound, "fraction_of_bound": bound / seconds}
             out["rows"].append(row)
-            print(f"{dtype:9s} batch {b:3d}: {row['reply_tokens_per_s']:7.1f} reply tok/s, "
+            if engine != args.engines[0] and (args.engines[0], b) in replies:
+                row["same_replies_as_" + args.engines[0]] = sum(
+                    x == y for x, y in zip(replies[args.engines[0], b], replies[engine, b]))
+            print(f"{dtype:9s} {engine:4s} batch {b:3d}: {row['reply_tokens_per_s']:7.1f} reply tok/s, "
                   f"{row['useful_flops_per_s'] / 1e9:6.1f} GFLOP/s useful; matmuls {rate_prefill / 1e9:6.1f} "
                   f"GFLOP/s at M={prefill_rows}, {rate_decode / 1e9:6.1f} at M={b}: bound {bound:.1f} s of "
                   f"{seconds:.1f} s -> {row['fraction_of_bound']:.0%} of the bound", flush=True)

@@ -201,3 +201,74 @@ def test_compiled_steps_equal_eager_and_are_reused():
             assert compiled.token_ids == eager.token_ids
             assert compiled.stats["engine"] == "lean+compiled"
             assert (compiled.stats["compile_seconds"] > 0) == (i == 0)  # the second prompt reuses the graphs
+
+
+# --- batched generation (regeneration's engine) -------------------------------------------------
+
+def _prompts(lengths=(5, 17, 9, 30, 12, 3), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 128, (n,), generator=g).tolist() for n in lengths]
+
+
+class _Bar:
+    def __init__(self):
+        self.n = 0
+
+    def update(self, n):
+        self.n += n
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_lean_batch_generation_equals_transformers_generate(arch, temperature, monkeypatch):
+    """Left-padded batches through the lean forward: transformers generate's replies, finished rows dropped."""
+    from draftsmith.data.generation import generate_batch
+    from draftsmith.decoding.sampling import SamplingParams
+    from draftsmith.models import kv
+
+    model, prompts = tiny_model(arch), _prompts()
+    params = SamplingParams(temperature=temperature, top_p=0.9 if temperature else None)
+    seeds = list(range(len(prompts)))
+    sizes = []
+    real_keep = kv.BatchKVCache.keep
+    monkeypatch.setattr(kv.BatchKVCache, "keep", lambda self, rows: (sizes.append(len(rows)), real_keep(self, rows)))
+    bar = _Bar()
+    lean = generate_batch(model, prompts, seeds, params, 40, [1], 1, bar=bar, engine="lean")
+    hf = generate_batch(model, prompts, seeds, params, 40, [1], 1, engine="hf")
+    assert lean == hf
+    reasons = {r for _, r in lean}
+    assert reasons == {"stop", "length"}  # both ways a reply ends are exercised
+    assert sizes and sizes[-1] < len(prompts)  # the rows that stopped left the batch
+    assert bar.n == len(prompts) * 40  # the bar ends at its total: max_new_tokens slots per reply
+
+
+def test_lean_batch_rows_do_not_see_padding():
+    """A row's reply is the one it gets alone; a negative control that attends to padding differs."""
+    from draftsmith.data.generation import generate_batch
+    from draftsmith.decoding.sampling import SamplingParams
+
+    model, prompts = tiny_model("llama"), _prompts()
+    greedy = SamplingParams(temperature=0.0)
+    batch = generate_batch(model, prompts, [0] * len(prompts), greedy, 24, [1], 1, engine="lean")
+    alone = [generate_batch(model, [p], [0], greedy, 24, [1], 1, engine="lean")[0] for p in prompts]
+    assert batch == alone
+    width = max(map(len, prompts))
+    # Padding tokens given as prompt tokens (so nothing masks them) change the short prompts' replies.
+    padded = [generate_batch(model, [[1] * (width - len(p)) + p], [0], greedy, 24, [1], 1, engine="lean")[0]
+              for p in prompts]
+    assert sum(a != b for a, b in zip(padded, alone)) >= len(prompts) - 2
+
+
+def test_batch_generation_engine_errors():
+    from draftsmith.data.generation import generate_batch
+    from draftsmith.decoding.sampling import SamplingParams
+
+    with pytest.raises(DraftsmithError, match="auto, lean or hf"):
+        generate_batch(tiny_model("llama"), [[2, 3]], [0], SamplingParams(temperature=0.0), 4, [1], 1, engine="vllm")
+    model = tiny_model("llama")
+    model.config._attn_implementation = "eager"
+    try:
+        with pytest.raises(DraftsmithError, match="lean generation engine cannot run"):
+            generate_batch(model, [[2, 3]], [0], SamplingParams(temperature=0.0), 4, [1], 1, engine="lean")
+    finally:
+        model.config._attn_implementation = "sdpa"

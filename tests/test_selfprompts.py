@@ -1,7 +1,7 @@
 """Prompts the verifier writes itself (`--dataset self`): the user-turn prefix, the filters,
 resume to an identical file, fresh attempts after `skip`, bad input, and the pipeline step.
 
-A tiny random verifier with SmolLM2-135M's tokenizer; a hook raises its end-of-turn logit so that
+A tiny random verifier with SmolLM2-135M's tokenizer; its output head raises the end-of-turn logit so that
 it ends some requests, as a chat model does (a random model almost never would).
 """
 
@@ -29,13 +29,14 @@ def tok():
 def chatty(boost: float = 9.0) -> torch.nn.Module:
     import copy
 
-    m = copy.deepcopy(tiny_model("llama", vocab=V, layers=2))  # the cached one must not get the hook
+    m = copy.deepcopy(tiny_model("llama", vocab=V, layers=2))  # the cached one must not change
     if boost:
-        def end_turn(module, args, out):
-            out = out.clone()
-            out[..., IM_END] += boost
-            return out
-        m.lm_head.register_forward_hook(end_turn)
+        class EndTurn(torch.nn.Linear):  # a head of its own (a hook would not run in the lean forward)
+            def forward(self, x):
+                out = super().forward(x)
+                out[..., IM_END] += boost
+                return out
+        m.lm_head.__class__ = EndTurn
     return m
 
 

@@ -1,7 +1,8 @@
 """Batched generation with the verifier, shared by regeneration and self-written prompts.
 
-:func:`generate_batch` runs one left-padded HF ``generate`` over several prompts;
-with sampling, each row draws from its own generator seeded by :func:`sample_seed`,
+:func:`generate_batch` decodes several left-padded prompts together, through the lean
+forward over a batched cache (rows leave the batch as their replies end) or one HF
+``generate`` call; with sampling, each row draws from its own generator seeded by :func:`sample_seed`,
 so a reply does not depend on which rows share its batch or on a resume.
 """
 
@@ -109,11 +110,84 @@ class TokenProgress:
 
 
 def generate_batch(model: torch.nn.Module, prompts: list[list[int]], seeds: list[int], params: SamplingParams,
-                   max_new_tokens: int, eos: list[int], pad: int, bar: Any = None) -> list[tuple[list[int], str]]:
-    """Replies to ``prompts`` in one left-padded ``generate``: ``(token ids without eos, finish reason)``.
+                   max_new_tokens: int, eos: list[int], pad: int, bar: Any = None,
+                   engine: str = "auto") -> list[tuple[list[int], str]]:
+    """Replies to ``prompts``, decoded together: ``(token ids without eos, finish reason)``.
 
-    ``bar``: a progress bar in token slots (:class:`TokenProgress`), moved per decode step.
+    Two engines, the same replies up to rounding (the prompts are left-padded in both):
+
+    - ``lean`` (``auto`` picks it for every model the lean forward supports,
+      :func:`~draftsmith.models.lean.lean_unsupported`; like the decoding engine, it calls
+      the modules' forwards, not their hooks): :meth:`LeanDecoder.forward_batch`
+      over a preallocated :class:`~draftsmith.models.kv.BatchKVCache`; a row that has
+      ended leaves the batch, so a batch costs its replies' tokens, not B times its
+      longest reply, and no cache is concatenated per step.
+    - ``hf``: one transformers ``generate`` call.
+
+    ``bar``: a progress bar in token slots (``max_new_tokens`` per reply), moved per decode step.
     """
+    if engine not in ("auto", "lean", "hf"):
+        raise DraftsmithError(f"generation engine must be auto, lean or hf; got {engine!r}")
+    if engine != "hf":
+        from draftsmith.models.lean import lean_unsupported
+
+        why = lean_unsupported(model)
+        if why is None:
+            return _lean_batch(model, prompts, seeds, params, max_new_tokens, eos, pad, bar)
+        if engine == "lean":
+            raise DraftsmithError(f"the lean generation engine cannot run this verifier: {why}")
+    return _hf_batch(model, prompts, seeds, params, max_new_tokens, eos, pad, bar)
+
+
+def _lean_batch(model: torch.nn.Module, prompts: list[list[int]], seeds: list[int], params: SamplingParams,
+                max_new_tokens: int, eos: list[int], pad: int, bar: Any) -> list[tuple[list[int], str]]:
+    from draftsmith.models.lean import LeanDecoder
+
+    dec = LeanDecoder(model)
+    device = dec.device
+    B, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, width), pad, dtype=torch.long)
+    for b, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
+        ids[b, width - len(p):] = torch.tensor(p)
+    cache = dec.new_batch_cache([width - len(p) for p in prompts], width + max_new_tokens)
+    gens = None if params.greedy else [torch.Generator(device=device).manual_seed(s) for s in seeds]
+    stop = set(eos)
+    replies: list[list[int]] = [[] for _ in prompts]
+    reasons = ["length"] * B
+    rows = list(range(B))  # the prompt index of each row of the cache
+    step_ids = ids.to(device)
+    with torch.inference_mode():
+        for step in range(max_new_tokens):
+            logits = dec.forward_batch(step_ids, cache)  # [len(rows), V]
+            if gens is None:
+                tokens = logits.argmax(-1).tolist()
+            else:  # each row draws from its own generator, as _PerSampleSampler does for generate
+                cdf = logits_to_probs(logits.float(), params).cumsum(-1)
+                u = torch.cat([torch.rand(1, generator=gens[r], device=device) for r in rows])
+                tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(
+                    max=cdf.shape[-1] - 1)[:, 0].tolist()
+            going, slots = [], 0
+            for j, (r, tok) in enumerate(zip(rows, tokens)):
+                slots += 1
+                if tok in stop:
+                    reasons[r] = "stop"
+                    slots += max_new_tokens - step - 1  # its unused slots are done too
+                else:
+                    replies[r].append(tok)
+                    going.append(j)
+            if bar is not None:
+                bar.update(slots)
+            if not going or step == max_new_tokens - 1:
+                break
+            if len(going) < len(rows):
+                cache.keep(going)
+                rows = [rows[j] for j in going]
+            step_ids = torch.tensor([[tokens[j]] for j in going], dtype=torch.long, device=device)
+    return list(zip(replies, reasons))
+
+
+def _hf_batch(model: torch.nn.Module, prompts: list[list[int]], seeds: list[int], params: SamplingParams,
+              max_new_tokens: int, eos: list[int], pad: int, bar: Any) -> list[tuple[list[int], str]]:
     from transformers import GenerationConfig, LogitsProcessorList
 
     device = next(model.parameters()).device

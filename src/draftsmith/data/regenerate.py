@@ -78,7 +78,7 @@ def prompt_limit(model: torch.nn.Module, max_new_tokens: int, max_prompt_tokens:
 def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[Conversation], out_path: Path, *,
                max_new_tokens: int = 256, temperature: float = 0.0, top_p: float | None = None,
                batch_size: int = 8, max_prompt_tokens: int | None = None, seed: int = 0, progress: bool = True,
-               fingerprint: str | None = None, source: ReplySource | None = None) -> Path:
+               fingerprint: str | None = None, source: ReplySource | None = None, engine: str = "auto") -> Path:
     """Answer every prompt with the verifier and append the conversations to a JSONL file.
 
     Each line is ``{"id", "messages", "meta"}``: the conversation's prompt messages
@@ -110,14 +110,16 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
         max_new_tokens: reply length limit.
         temperature: 0 = greedy; > 0 samples.
         top_p: nucleus filter when sampling.
-        batch_size: prompts per ``generate`` call.
+        batch_size: prompts decoded together (one batch).
         max_prompt_tokens: drop prompts longer than this (besides the context limit).
         seed: salts the per-sample sampling seeds.
         progress: show a progress bar with generated tokens/s.
         fingerprint: the verifier's fingerprint, recorded in ``meta.generation``
             (a resume with another verifier is refused).
         source: another source of the replies, e.g. an OpenAI-compatible server
-            (:mod:`draftsmith.data.endpoint`); None: ``model.generate`` in this process.
+            (:mod:`draftsmith.data.endpoint`); None: the verifier in this process.
+        engine: how the verifier in this process decodes a batch (``auto``, ``lean``,
+            ``hf``: :func:`~draftsmith.data.generation.generate_batch`).
 
     Returns:
         ``out_path``.
@@ -181,7 +183,7 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
     work = [([ids for _, ids in b], [sample_seed(seed, convs[j].id) for j, _ in b]) for b in batches]
     if source is None:
         answers: Iterator[list[Reply]] = (generate_batch(model, p, s, params, max_new_tokens, eos, pad,
-                                                         bar=bar if progress else None)
+                                                         bar=bar if progress else None, engine=engine)
                                           for p, s in work)
     else:
         answers = source.replies(work, params, max_new_tokens, eos)

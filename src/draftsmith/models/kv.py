@@ -174,3 +174,96 @@ class KVCache:
                 return out.reshape(1, nh, 1, hd)
         return F.scaled_dot_product_attention(q, K[:, :, lo:end], V[:, :, lo:end], attn_mask=mask,
                                               is_causal=causal, scale=scale, enable_gqa=True)
+
+
+class BatchKVCache:
+    """Keys and values ``[B, nkv, S, hd]`` per layer for B left-padded sequences decoded together.
+
+    Regeneration's batches (:func:`draftsmith.data.generation.generate_batch`): row b's
+    prompt fills slots ``[pad_b, width)``, so every row's next token goes to the same slot
+    T and a step writes one slice. Slot s holds row b's position ``s - pad_b``; a query
+    attends to the keys at slots ``[pad_b, its own]`` (within a sliding window, counted in
+    slots, which is counted in positions); a padding slot's query attends to itself only,
+    so it stays finite and nothing reads it. Grouped-query attention folds the query
+    heads of one KV head into that head's queries (as transformers' masked one-token
+    path does), so no K/V is repeated. :meth:`keep` drops finished rows, so a batch stops
+    computing a reply once it has ended.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: per layer, as :class:`KVCache`.
+        pads: the left padding of each row.
+        capacity: S, the longest prompt plus the most new tokens.
+        dtype, device: buffer dtype and device.
+        windows: per layer sliding window W, or None for full attention.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: Sequence[int], head_dim: Sequence[int], pads: Sequence[int],
+                 capacity: int, dtype: torch.dtype, device: torch.device | str,
+                 windows: Sequence[int | None] | None = None) -> None:
+        if capacity < 1 or not pads:
+            raise DraftsmithError(f"batch KV cache needs rows and capacity >= 1, got {len(pads)} rows, {capacity}")
+        B = len(pads)
+        self.keys = [torch.zeros(B, n, capacity, d, dtype=dtype, device=device) for n, d in zip(num_kv_heads, head_dim)]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.windows = list(windows) if windows is not None else [None] * num_layers
+        self.pads = torch.as_tensor(list(pads), dtype=torch.long, device=device)
+        self.capacity = capacity
+        self.length = 0
+        self._masks: dict[tuple[int | None, int], torch.Tensor] = {}
+
+    @property
+    def batch(self) -> int:
+        return int(self.pads.shape[0])
+
+    def begin(self, m: int) -> torch.Tensor:
+        """Prepare a forward of the next ``m`` slots; returns the rows' positions ``[B, m]``."""
+        T = self.length
+        if T + m > self.capacity:
+            raise DraftsmithError(f"batch KV cache full: {T} cached + {m} new slots > capacity {self.capacity}")
+        dev = self.pads.device
+        slots = torch.arange(T + m, device=dev)[None, None, :]  # [1, 1, T+m]
+        qslots = torch.arange(T, T + m, device=dev)[None, :, None]  # [1, m, 1]
+        self._base = (slots >= self.pads[:, None, None]) & (slots <= qslots)  # [B, m, T+m]
+        self._base |= slots == qslots  # a padding query sees itself only
+        self._qslots, self._slots = qslots, slots
+        self._masks = {}
+        return (torch.arange(T, T + m, device=dev)[None, :] - self.pads[:, None]).clamp_(min=0)
+
+    def _mask(self, window: int | None, rep: int) -> torch.Tensor:
+        key = (window, rep)
+        if key not in self._masks:
+            mask = self._base
+            if window is not None:
+                mask = mask & (self._slots > self._qslots - window)
+            # [B, 1, rep*m, T+m]: the rep query heads of a KV head are queries of that head
+            # (one query position: the mask row broadcasts over them)
+            self._masks[key] = mask.repeat(1, rep, 1)[:, None] if rep > 1 and mask.shape[1] > 1 else mask[:, None]
+        return self._masks[key]
+
+    def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Write layer ``i``'s keys/values ``[B, nkv, m, hd]`` at the next m slots; attention ``[B, nh, m, hd]``."""
+        K, V = self.keys[i], self.values[i]
+        B, nh, m, hd = q.shape
+        nkv = K.shape[1]
+        T = self.length
+        K[:, :, T:T + m] = k
+        V[:, :, T:T + m] = v
+        rep = nh // nkv
+        out = F.scaled_dot_product_attention(q.reshape(B, nkv, rep * m, hd), K[:, :, :T + m], V[:, :, :T + m],
+                                             attn_mask=self._mask(self.windows[i], rep), scale=scale)
+        return out.view(B, nh, m, hd)
+
+    def advance(self, m: int) -> None:
+        """Mark the ``m`` slots the last forward wrote as valid."""
+        self.length += m
+
+    def keep(self, rows: Sequence[int]) -> None:
+        """Keep only ``rows`` (indices into the current batch), copying their valid slots."""
+        idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.pads.device)
+        T = self.length
+        for buffers in (self.keys, self.values):
+            for j, old in enumerate(buffers):
+                new = old.new_empty(len(rows), old.shape[1], self.capacity, old.shape[3])
+                new[:, :, :T] = old[:, :, :T].index_select(0, idx)
+                buffers[j] = new
+        self.pads = self.pads.index_select(0, idx)

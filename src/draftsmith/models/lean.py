@@ -18,7 +18,13 @@ Two decoder-layer layouts are covered (h: hidden state, x: layer input):
 
 Any other model (or option: eager attention, logit soft-capping, chunked or
 bidirectional attention) is refused by :func:`lean_unsupported`, and the engine runs
-the transformers forward instead.
+the transformers forward instead. Modules are called through their ``forward`` (or
+``F.linear`` for a plain Linear), so forward hooks placed on them do not run; a
+module that changes what it computes must do so in its ``forward``.
+
+:meth:`LeanDecoder.forward` runs one sequence over a :class:`KVCache` (the decoding
+engine); :meth:`LeanDecoder.forward_batch` runs several left-padded sequences over a
+:class:`BatchKVCache` (regeneration, :func:`draftsmith.data.generation.generate_batch`).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from draftsmith.models.kv import KVCache
+from draftsmith.models.kv import BatchKVCache, KVCache
 from draftsmith.models.quantize import rounds_activations
 
 #: ``config.model_type`` values whose layers this forward reproduces exactly.
@@ -187,9 +193,23 @@ class LeanDecoder:
             input of layer i (0: the embeddings; n: the final normed output), as
             transformers' ``hidden_states[i]``.
         """
-        m = ids.shape[0]
-        x = self.embed(ids[None])  # [1, m, H]
-        position_ids = pos[None]
+        x, saved = self._layers(self.embed(ids[None]), pos[None],
+                                lambda i, q, k, v, scale: cache.attend(i, q, k, v, pos, scale), aux_layer_ids)
+        logits = self.head(x if keep is None else x[:, -keep:])[0]
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        hidden = torch.cat([saved[i][0] for i in aux_layer_ids], -1) if aux_layer_ids else None
+        return logits, hidden
+
+    def _layers(self, x: torch.Tensor, position_ids: torch.Tensor, attend: Callable,
+                aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The decoder layers and final norm over embeddings ``x [B, m, H]`` at ``position_ids [B, m]``.
+
+        ``attend(i, q, k, v, scale)`` writes layer i's keys/values ``[B, nkv, m, hd]`` into
+        its cache and returns the attention ``[B, nh, m, hd]`` of the queries ``q``.
+        Returns the normed output and the inputs of the layers in ``aux_layer_ids``.
+        """
+        B, m = x.shape[:2]
         rope = {key: (self.rotary(x, position_ids) if key is None else self.rotary(x, position_ids, key))
                 for key in self.rope_keys}
         saved: dict[int, torch.Tensor] = {}
@@ -198,14 +218,14 @@ class LeanDecoder:
                 saved[i] = x
             cos, sin = rope[L.rope_key]
             h = L.in_norm(x)
-            q = L.q(h).view(1, m, L.nh, L.hd)
-            k = L.k(h).view(1, m, L.nkv, L.hd)
-            v = L.v(h).view(1, m, L.nkv, L.hd).transpose(1, 2)
+            q = L.q(h).view(B, m, L.nh, L.hd)
+            k = L.k(h).view(B, m, L.nkv, L.hd)
+            v = L.v(h).view(B, m, L.nkv, L.hd).transpose(1, 2)
             if L.q_norm is not None:
                 q, k = L.q_norm(q), L.k_norm(k)
             q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            a = cache.attend(i, q, k, v, pos, L.scale)  # [1, nh, m, hd]
-            a = L.o(a.transpose(1, 2).reshape(1, m, L.nh * L.hd))
+            a = attend(i, q, k, v, L.scale)  # [B, nh, m, hd]
+            a = L.o(a.transpose(1, 2).reshape(B, m, L.nh * L.hd))
             if L.post_attn_norm is not None:
                 a = L.post_attn_norm(a)
             x = x + a
@@ -217,8 +237,24 @@ class LeanDecoder:
         x = self.norm(x)
         if self.num_layers in aux_layer_ids:
             saved[self.num_layers] = x
-        logits = self.head(x if keep is None else x[:, -keep:])[0]
+        return x, saved
+
+    def new_batch_cache(self, pads: list[int], capacity: int) -> BatchKVCache:
+        """An empty cache for ``len(pads)`` left-padded sequences of ``capacity`` slots each."""
+        return BatchKVCache(self.num_layers, [L.nkv for L in self.layers], [L.hd for L in self.layers], pads,
+                            capacity, self.dtype, self.device, self.windows)
+
+    def forward_batch(self, ids: torch.Tensor, cache: BatchKVCache) -> torch.Tensor:
+        """One forward of ``ids [B, m]`` into the next m slots of a batch; the last slot's logits ``[B, V]``.
+
+        Positions come from the cache (slot minus the row's left padding); the cache's
+        length moves by m.
+        """
+        m = ids.shape[1]
+        position_ids = cache.begin(m)
+        x, _ = self._layers(self.embed(ids), position_ids, cache.attend)
+        cache.advance(m)
+        logits = self.head(x[:, -1])
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        hidden = torch.cat([saved[i][0] for i in aux_layer_ids], -1) if aux_layer_ids else None
-        return logits, hidden
+        return logits
