@@ -186,3 +186,54 @@ def test_kept_prompts_share_and_mean_length():
     assert B.kept_prompts([10, 600], None) == (1.0, 305.0)
     with pytest.raises(DraftsmithError, match="none of the 2 sampled prompts"):
         B.kept_prompts([600, 700], 512)
+
+
+def _regenerated(path, n, prompt_tokens, reply_tokens, empty=0):
+    rows = [{"id": f"c{i}", "meta": {"prompt_tokens": prompt_tokens, "completion_tokens": reply_tokens,
+                                     "finish_reason": "empty" if i < empty else "stop"}} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _planned(tmp_path, minutes=10, rates=SLOW, **over):
+    import dataclasses
+
+    cfg = build_config(None, {"out": str(tmp_path)})
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **over)) if over else cfg
+    plan = B.make_plan(minutes, rates, **KW)
+    B.save_plan(tmp_path / "plan.json", {"k": 1}, plan)
+    return B.apply_plan(cfg, plan), plan
+
+
+def test_top_up_buys_what_short_replies_left_over_and_is_stored(tmp_path):
+    """Replies shorter than planned and regeneration on time: the spare time buys more prompts."""
+    cfg, plan = _planned(tmp_path)
+    m = round(plan.num_conversations * SLOW.kept_fraction)
+    regen = plan.predicted_seconds["regenerate"]
+    path = _regenerated(tmp_path / "r.jsonl", m, 120, 80)  # replies of 80 tokens where 256 were priced
+    got = B.top_up(cfg, plan, path, regen, plan.predicted_seconds["fixed"] + regen, tmp_path)
+    assert got["prompts"] >= SLOW.batch_size / 2 and got["tokens"] == m * 200
+    # what it buys fits in the spare time, and it is most of it
+    assert got["predicted_seconds"] <= got["spare_seconds"] < got["predicted_seconds"] + got["seconds_per_conversation"]
+    # a rerun (regeneration cached: no time measured) asks for the same prompts
+    assert B.top_up(cfg, plan, path, None, 0.0, tmp_path) == got
+    assert json.loads((tmp_path / "plan.json").read_text())["top_up"] == got
+
+
+def test_top_up_is_zero_when_the_plan_held_or_ran_over(tmp_path):
+    """Negative controls: replies as long as planned, a late regeneration, a cached one, self-written prompts."""
+    cfg, plan = _planned(tmp_path)
+    m = round(plan.num_conversations * SLOW.kept_fraction)
+    regen = plan.predicted_seconds["regenerate"]
+    full = _regenerated(tmp_path / "full.jsonl", m, 120, 256)
+    short = _regenerated(tmp_path / "short.jsonl", m, 120, 80)
+    elapsed = plan.predicted_seconds["fixed"] + regen
+    for path, seconds, at in [(full, regen, elapsed), (short, 3 * regen, elapsed + 2 * regen), (short, None, 0.0)]:
+        (tmp_path / "plan.json").write_text(json.dumps({k: v for k, v in json.loads(
+            (tmp_path / "plan.json").read_text()).items() if k != "top_up"}))
+        assert B.top_up(cfg, plan, path, seconds, at, tmp_path)["prompts"] == 0, (path.name, seconds)
+    (tmp_path / "plan.json").unlink()
+    cfg_self, plan = _planned(tmp_path, dataset="self")
+    assert B.top_up(cfg_self, plan, short, regen, elapsed, tmp_path)["prompts"] == 0
+    # empty replies are not captured, so they are not counted as data
+    assert B.regenerated_tokens(_regenerated(tmp_path / "e.jsonl", 10, 100, 50, empty=4)) == (6, 900)

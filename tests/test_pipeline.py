@@ -250,3 +250,41 @@ def test_previous_draft_is_the_deployed_one_of_the_same_verifier(tmp_path):
     cfg = build_config(None, {"preset": "tiny", "out": str(tmp_path / "out")})
     assert _previous_draft(cfg, "abc") == tmp_path / "out" / "draft"
     assert _previous_draft(cfg, "other") is None
+
+
+def test_top_up_regenerates_the_next_prompts_and_captures_them_all(setup, tmp_path):
+    """A budget's top-up: the next prompts of the dataset are regenerated after the planned ones,
+    merged, and captured together; a rerun hits the cache in every step."""
+    import dataclasses
+
+    from draftsmith.data.regenerate import load_regenerated
+    from draftsmith.pipeline import steps
+    from draftsmith.pipeline.cache import StepCache
+    from draftsmith.pipeline.config import DataSection
+
+    root, verifier = setup
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps(p) + "\n" for p in _prompts(24)))
+    data = DataSection(dataset=str(src), num_conversations=6, max_new_tokens=12, batch_size=3, max_length=96,
+                       dtype="float32", samples_per_shard=4)
+    vd = steps.Verifier(str(verifier), "float32", "cpu")
+    seen = []
+
+    def run(asked: int):
+        cache = StepCache(tmp_path / "steps")
+        out = steps.run_data_steps(cache, data, vd, vd.fingerprint, lambda r: seen.append(r["count"]) or asked)
+        return out, cache.timings
+
+    (p, r, c), timings = run(4)
+    assert seen == [6] and p["count"] == r["count"] == 10
+    (tmp_path / "all").mkdir()
+    want = [json.loads(line)["id"] for line in open(steps.prompts(
+        dataclasses.replace(data, num_conversations=10), tmp_path / "all")["path"])]
+    assert sorted(conv.id for conv in load_regenerated(Path(r["path"]))) == sorted(want)
+    assert {"topup_prompts", "topup_regenerate", "topup_merge", "capture"} <= set(timings)
+    shards = json.loads((Path(c["dir"]) / "manifest.json").read_text())
+    assert shards["total_tokens"] == c["tokens"] > 0
+    (p2, r2, c2), timings = run(4)
+    assert (p2, r2, c2) == (p, r, c) and all(t["cached"] for t in timings.values())
+    (_, r0, c0), _ = run(0)  # no top-up: the planned prompts alone, a different capture
+    assert r0["count"] == 6 and c0["sha"] != c["sha"]

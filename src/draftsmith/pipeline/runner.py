@@ -78,7 +78,21 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
         drift = b["summary"]
         report["before"] = drift
 
-    p, r, c = steps.run_data_steps(cache, cfg.data, vd, fp)
+    top_up = None
+    if plan is not None:
+        def top_up(r: dict[str, Any]) -> int:
+            timing = cache.timings.get("regenerate", {})
+            decision = budget.top_up(cfg, plan, Path(r["path"]), None if timing.get("cached") else
+                                     timing.get("seconds"), time.perf_counter() - t0, out)
+            report["top_up"] = decision
+            if decision["prompts"]:
+                cache.estimates["topup_regenerate"] = decision["predicted_seconds"]
+                steps.say(f"[topup] the replies hold {decision['tokens']} tokens ({decision['conversations']} "
+                          f"conversations); {decision['spare_seconds'] / 60:.1f} min of the budget are spare: "
+                          f"regenerating {decision['prompts']} more prompts")
+            return decision["prompts"]
+
+    p, r, c = steps.run_data_steps(cache, cfg.data, vd, fp, top_up)
     if plan is not None:
         cfg = budget.fit_training(cfg, plan, c.get("tokens") or 0, time.perf_counter() - t0, out)
         cache.estimates["train"] = cfg.train.max_minutes * 60 / 1.15
@@ -125,8 +139,12 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
     report["config"] = to_dict(cfg)  # as run: a budget's plan sets data, training and bench sizes
     if plan is not None:
         actual = {name: cache.timings.get(name, {}).get("seconds") for name in plan.predicted_seconds}
+        for name in ("topup_prompts", "topup_regenerate", "topup_merge"):
+            if name in cache.timings:
+                actual[name] = cache.timings[name]["seconds"]
         curve = budget.extrapolate(Path(cache.timings["train"]["dir"]) / "train" / "metrics.jsonl")
-        report["plan"] = {**dataclasses.asdict(plan), "actual_seconds": actual, "train_cut": t["summary"].get("cut"),
+        report["plan"] = {**dataclasses.asdict(plan), "actual_seconds": actual, "top_up": report.pop("top_up", None),
+                          "train_cut": t["summary"].get("cut"),
                           "learning_curve": curve, "bigger_budget": budget.bigger_budget_line(curve, cfg.budget)}
     if drift is not None:
         report["after"] = b["summary"]

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -142,6 +142,18 @@ def regenerate(v: Verifier, prompts_path: Path, data: DataSection, work: Path) -
     return {"path": str(path), "count": lines, "sha": file_digest(path)}
 
 
+def merge_regenerated(parts: list[dict[str, Any]], work: Path) -> dict[str, Any]:
+    """Regeneration results (their files, in order) -> one ``regenerated.jsonl``."""
+    path = work / "regenerated.jsonl"
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        for part in parts:
+            data = Path(part["path"]).read_bytes()
+            f.write(data if not data or data.endswith(b"\n") else data + b"\n")
+    tmp.replace(path)
+    return {"path": str(path), "count": sum(part["count"] for part in parts), "sha": file_digest(path)}
+
+
 def capture(v: Verifier, regenerated: Path, data: DataSection, work: Path) -> dict[str, Any]:
     """Hidden states of the verifier over its regenerated conversations -> shards."""
     from draftsmith.data.capture import capture_to_shards
@@ -158,7 +170,8 @@ def capture(v: Verifier, regenerated: Path, data: DataSection, work: Path) -> di
             "aux_layer_ids": manifest.get("aux_layer_ids")}
 
 
-def run_data_steps(cache: Any, data: DataSection, vd: Verifier, fp: str) -> tuple[dict, dict, dict]:
+def run_data_steps(cache: Any, data: DataSection, vd: Verifier, fp: str,
+                   top_up: Callable[[dict[str, Any]], int] | None = None) -> tuple[dict, dict, dict]:
     """prompts -> regenerate -> capture through ``cache`` (a :class:`StepCache`); the one wiring of the
     data steps, shared by `draftsmith pipeline run` and `draftsmith data`.
 
@@ -167,13 +180,30 @@ def run_data_steps(cache: Any, data: DataSection, vd: Verifier, fp: str) -> tupl
         data: the data settings.
         vd: the verifier in the data dtype (it answers and is captured).
         fp: the verifier's fingerprint (the cache keys' identity of the model).
+        top_up: called with the regeneration's result; the number of further prompts to
+            regenerate (the next ones of the dataset, after those asked for) before capture
+            (a budgeted run whose regeneration came in under plan, :func:`budget.top_up`).
 
     Returns:
-        The three steps' results.
+        The three steps' results (the prompts' count includes a top-up; the regeneration's
+        result is then the merged file).
     """
     p = cache.run("prompts", prompts_key(data, vd), lambda w: prompts(data, w, vd))
     r = cache.run("regenerate", {"fp": fp, "prompts": p["sha"], "data": regeneration_key(data)},
                   lambda w: regenerate(vd, Path(p["path"]), data, w))
+    extra = top_up(r) if top_up is not None else 0
+    if extra:
+        more = dataclasses.replace(data, skip_conversations=data.skip_conversations + data.num_conversations,
+                                   num_conversations=extra)
+        try:
+            p2 = cache.run("topup_prompts", prompts_key(more, vd), lambda w: prompts(more, w, vd))
+        except DraftsmithError as e:  # the dataset has no more prompts: train on what there is
+            say(f"[topup] no further prompts ({e}); going on with {r['count']} conversations")
+        else:
+            r2 = cache.run("topup_regenerate", {"fp": fp, "prompts": p2["sha"], "data": regeneration_key(more)},
+                           lambda w: regenerate(vd, Path(p2["path"]), more, w))
+            r = cache.run("topup_merge", {"parts": [r["sha"], r2["sha"]]}, lambda w: merge_regenerated([r, r2], w))
+            p = {**p, "count": p["count"] + p2["count"]}
     c = cache.run("capture", {"fp": fp, "regenerated": r["sha"], **capture_key(data), "dtype": vd.dtype},
                   lambda w: capture(vd, Path(r["path"]), data, w))
     return p, r, c
