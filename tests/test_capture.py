@@ -540,3 +540,13 @@ def test_real_verifier_greedy_replies_are_what_the_captured_states_predict(smoll
         hits += int((pred == s["input_ids"][pos]).sum())
         total += len(pos)
     assert hits / total > 0.9  # re-tokenizing the decoded reply may split a token differently, rarely
+
+
+def test_padded_tokens_count_what_the_batches_run():
+    """Budget calibration prices capture per position run: batches sorted by length, padded to their longest."""
+    from draftsmith.data.capture import length_batches, padded_tokens
+
+    lengths = [10, 3, 7, 2, 9]
+    assert length_batches(lengths, 2) == [[0, 4], [2, 1], [3]]
+    assert padded_tokens(lengths, 2) == 2 * 10 + 2 * 7 + 1 * 2 == 36 > sum(lengths)
+    assert padded_tokens(lengths, 1) == sum(lengths)  # one sequence per batch: no padding

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -288,3 +289,38 @@ def test_top_up_regenerates_the_next_prompts_and_captures_them_all(setup, tmp_pa
     assert (p2, r2, c2) == (p, r, c) and all(t["cached"] for t in timings.values())
     (_, r0, c0), _ = run(0)  # no top-up: the planned prompts alone, a different capture
     assert r0["count"] == 6 and c0["sha"] != c["sha"]
+
+
+def test_budgeted_run_calibrates_plans_tops_up_and_reruns_from_the_cache(setup, tmp_path, capsys):
+    """`--budget`: calibration, the plan (stored), the top-up decision (stored), training fitted to the
+    time left; the report carries the plan with what each step took, and a rerun does no work."""
+    root, verifier = setup
+    ver = tmp_path / "verifier"
+    shutil.copytree(verifier, ver)
+    cfg_json = json.loads((ver / "config.json").read_text())
+    cfg_json["max_position_embeddings"] = 4096  # MT-Bench prompts in this byte-level tokenizer run past 512
+    (ver / "config.json").write_text(json.dumps(cfg_json))
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in _prompts(24)))
+    cfg = _config(tmp_path, ver, "budget", budget=0.5)
+    rc = main(["pipeline", "run", str(cfg)])
+    assert rc == EXIT_GATE_FAILED
+    out = tmp_path / "budget"
+    report = json.loads((out / "report.json").read_text())
+    stored = json.loads((out / "plan.json").read_text())
+    plan = report["plan"]
+    assert plan["budget_minutes"] == 0.5 and plan["num_conversations"] == stored["plan"]["num_conversations"]
+    assert set(plan["predicted_seconds"]) == {"fixed", "regenerate", "capture", "train", "bench"}
+    assert all(plan["actual_seconds"][k] is not None for k in ("regenerate", "capture", "train", "bench"))
+    top = plan["top_up"]
+    assert top == stored["top_up"] and top["conversations"] > 0 and top["tokens"] > 0
+    # the replies came out short, so it asked for more prompts than this 24-prompt dataset has: it trains on 24
+    assert top["prompts"] > 0 and report["data"]["prompts"] == 24
+    assert stored["train_fit"]["tokens"] == report["data"]["tokens"]
+    assert "[plan] plan for 0.5 min on this machine" in capsys.readouterr().err
+    # a rerun: the stored plan, every step from the cache
+    assert main(["pipeline", "run", str(cfg)]) == EXIT_GATE_FAILED
+    err = capsys.readouterr().err
+    assert "[plan] reusing" in err
+    for step in ("prompts", "regenerate", "capture", "train", "bench", "export"):
+        assert f"[{step}] up to date" in err
+    assert "[topup] no further prompts" in err  # the only work: finding the dataset exhausted again

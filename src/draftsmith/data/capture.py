@@ -202,6 +202,11 @@ def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
+def padded_tokens(lengths: Sequence[int], batch_size: int) -> int:
+    """Positions the forwards of :func:`length_batches` process, padding included."""
+    return sum(len(b) * max(lengths[i] for i in b) for b in length_batches(lengths, batch_size))
+
+
 def right_padded(batch: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids [B, T], attention_mask [B, T])`` of token lists padded on the right."""
     width = max(len(s) for s in batch)

@@ -55,7 +55,8 @@ class Rates:
         batch_size: the batch those two were measured at.
         reply_tokens: mean reply length to expect (tokens), from the calibration replies.
         prompt_tokens: mean prompt length (tokens).
-        capture_per_token: capture forward, per token of prompt + reply.
+        capture_per_token: capture forward, per position a batch runs (prompt + reply, padding
+            included; a run's batches, sorted by length over many conversations, pad little).
         train_per_position: one packed training position through the draft (forward + backward).
         decode_per_token: one plain decode step of the verifier at the bench's dtype.
         load_seconds: model loads and other fixed costs of a run (calibration included).
@@ -259,7 +260,7 @@ def calibrate(vd: Any, v: Any, data: Any, train: Any, bench: Any, work: Path, pr
     Returns:
         The measured :class:`Rates`; ``load_seconds`` includes the calibration itself.
     """
-    from draftsmith.data.capture import capture_samples, resolve_aux_layer_ids
+    from draftsmith.data.capture import capture_samples, padded_tokens, resolve_aux_layer_ids
     from draftsmith.data.chat import encode_chat
     from draftsmith.data.regenerate import load_regenerated, prompt_limit, regenerate
     from draftsmith.data.sources import eval_set, load_prompts
@@ -299,8 +300,13 @@ def calibrate(vd: Any, v: Any, data: Any, train: Any, bench: Any, work: Path, pr
     t0 = time.perf_counter()
     samples = list(capture_samples(model, tok, replied, max_length=data.max_length,
                                    batch_size=data.capture_batch_size))
+    seconds = time.perf_counter() - t0
     captured = sum(len(s["input_ids"]) for s in samples)
-    capture_per_token = (time.perf_counter() - t0) / max(captured, 1)
+    # Priced per position the forwards ran, padding included: the 16 calibration prompts (20 to
+    # 512 tokens) pad their batches far more than a run's hundreds sorted by length do; per real
+    # token, capture was priced 2.8x (AVX2 limits) to 4x (AMX) too dear (BENCHMARKS.md 9b).
+    capture_per_token = seconds / max(padded_tokens([len(s["input_ids"]) for s in samples],
+                                                    data.capture_batch_size), 1)
 
     out = work / "train"
     import shutil
