@@ -139,16 +139,26 @@ def generate_batch(model: torch.nn.Module, prompts: list[list[int]], seeds: list
     return _hf_batch(model, prompts, seeds, params, max_new_tokens, eos, pad, bar)
 
 
+def _left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids [B, W], attention mask [B, W])``, left-padded: every prompt ends where generation starts."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):] = torch.tensor(p)
+        mask[b, width - len(p):] = 1
+    return ids, mask
+
+
 def _lean_batch(model: torch.nn.Module, prompts: list[list[int]], seeds: list[int], params: SamplingParams,
                 max_new_tokens: int, eos: list[int], pad: int, bar: Any) -> list[tuple[list[int], str]]:
     from draftsmith.models.lean import LeanDecoder
 
     dec = LeanDecoder(model)
     device = dec.device
-    B, width = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((B, width), pad, dtype=torch.long)
-    for b, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
-        ids[b, width - len(p):] = torch.tensor(p)
+    B = len(prompts)
+    ids, _ = _left_padded(prompts, pad)
+    width = ids.shape[1]
     cache = dec.new_batch_cache([width - len(p) for p in prompts], width + max_new_tokens)
     gens = None if params.greedy else [torch.Generator(device=device).manual_seed(s) for s in seeds]
     stop = set(eos)
@@ -191,12 +201,8 @@ def _hf_batch(model: torch.nn.Module, prompts: list[list[int]], seeds: list[int]
     from transformers import GenerationConfig, LogitsProcessorList
 
     device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for b, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
-        ids[b, width - len(p):] = torch.tensor(p)
-        mask[b, width - len(p):] = 1
+    ids, mask = _left_padded(prompts, pad)
+    width = ids.shape[1]
     processors = LogitsProcessorList()
     if not params.greedy:
         gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
