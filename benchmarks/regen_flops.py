@@ -3,8 +3,10 @@
 The data step regenerates replies with the verifier in left-padded batches
 (``draftsmith.data.regenerate``). This times it at several batch sizes on the same
 ShareGPT prompts, with each of ``generate_batch``'s engines side by side (``lean``:
-our batched forward over a preallocated cache, finished rows leave the batch; ``hf``:
-``transformers.generate``), and counts how many replies the engines agree on; and beside it, in the same run, the verifier's own linear layers
+our batched forward over a preallocated cache, continuous batching within a chunk of
+``--chunk-batches`` batches; ``lean-c1`` is a chunk of one batch, so no row is refilled:
+static batching; ``hf``: ``transformers.generate`` per batch), and counts how many replies
+the engines agree on; and beside it, in the same run, the verifier's own linear layers
 as bare matmuls (``F.linear`` on every weight shape, ``M`` rows): the FLOP rate the
 hardware gives these shapes with nothing else around them.
 
@@ -76,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 32, 64])
     ap.add_argument("--engines", nargs="+", default=["lean", "hf"], choices=["lean", "hf"],
                     help="generate_batch engines, run side by side per batch size")
+    ap.add_argument("--chunk-batches", type=int, nargs="+", default=[4],
+                    help="lean: batches per chunk, one row per value (1: no refill, static batching)")
     ap.add_argument("--num-prompts", type=int, default=64, help="ShareGPT prompts regenerated per batch size")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
@@ -107,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         shapes = linear_shapes(model)
         params = sum(o * i for o, i in shapes)
         replies: dict[tuple[str, int], list[str]] = {}
-        for b, engine in [(b, e) for b in args.batch_sizes for e in args.engines]:
+        runs = [(e, c) for e in args.engines for c in (args.chunk_batches if e == "lean" else [1])]
+        for b, (engine, chunk) in [(b, r) for b in args.batch_sizes for r in runs]:
+            label = f"lean-c{chunk}" if engine == "lean" else engine
             with tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp) / "r.jsonl"
                 regenerate(model, tok, convs[:b], path, max_new_tokens=4, batch_size=b,
@@ -115,10 +121,12 @@ def main(argv: list[str] | None = None) -> int:
                 path.unlink()
                 t0 = time.perf_counter()
                 regenerate(model, tok, convs, path, max_new_tokens=args.max_new_tokens, batch_size=b,
-                           max_prompt_tokens=args.max_prompt_tokens, progress=False, engine=engine)
+                           max_prompt_tokens=args.max_prompt_tokens, progress=False, engine=engine,
+                           chunk_batches=chunk)
                 seconds = time.perf_counter() - t0
                 recs = load_regenerated(path)
-                replies[engine, b] = [r.messages[-1]["content"] for r in recs]
+                by_id = {r.id: r.messages[-1]["content"] for r in recs}  # chunks change the file order
+                replies[label, b] = [by_id[k] for k in sorted(by_id)]
             prompt = sum(r.meta["prompt_tokens"] for r in recs)
             reply = sum(r.meta["completion_tokens"] for r in recs)
             useful = 2 * params * (prompt + reply)
@@ -128,16 +136,16 @@ def main(argv: list[str] | None = None) -> int:
                     rates[dtype, rows] = matmul_rate(shapes, rows, getattr(torch, dtype), args.matmul_repeats)
             rate_prefill, rate_decode = rates[dtype, prefill_rows], rates[dtype, b]
             bound = 2 * params * prompt / rate_prefill + 2 * params * reply / rate_decode
-            row = {"dtype": dtype, "engine": engine, "batch_size": b, "conversations": len(recs), "seconds": seconds,
+            row = {"dtype": dtype, "engine": label, "chunk_batches": chunk, "batch_size": b, "conversations": len(recs), "seconds": seconds,
                    "prompt_tokens": prompt, "reply_tokens": reply, "reply_tokens_per_s": reply / seconds,
                    "useful_flops_per_s": useful / seconds, "matmul_flops_per_s_prefill": rate_prefill,
                    "prefill_rows": prefill_rows, "matmul_flops_per_s_decode": rate_decode,
                    "bound_seconds": bound, "fraction_of_bound": bound / seconds}
             out["rows"].append(row)
-            if engine != args.engines[0] and (args.engines[0], b) in replies:
-                row["same_replies_as_" + args.engines[0]] = sum(
-                    x == y for x, y in zip(replies[args.engines[0], b], replies[engine, b]))
-            print(f"{dtype:9s} {engine:4s} batch {b:3d}: {row['reply_tokens_per_s']:7.1f} reply tok/s, "
+            first = f"lean-c{runs[0][1]}" if runs[0][0] == "lean" else runs[0][0]
+            if label != first and (first, b) in replies:
+                row["same_replies_as_" + first] = sum(x == y for x, y in zip(replies[first, b], replies[label, b]))
+            print(f"{dtype:9s} {label:7s} batch {b:3d}: {row['reply_tokens_per_s']:7.1f} reply tok/s, "
                   f"{row['useful_flops_per_s'] / 1e9:6.1f} GFLOP/s useful; matmuls {rate_prefill / 1e9:6.1f} "
                   f"GFLOP/s at M={prefill_rows}, {rate_decode / 1e9:6.1f} at M={b}: bound {bound:.1f} s of "
                   f"{seconds:.1f} s -> {row['fraction_of_bound']:.0%} of the bound", flush=True)

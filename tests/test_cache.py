@@ -259,6 +259,60 @@ def test_lean_batch_rows_do_not_see_padding():
     assert sum(a != b for a, b in zip(padded, alone)) >= len(prompts) - 2
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_continuous_batching_equals_transformers_generate(arch, temperature, monkeypatch):
+    """More prompts than rows: a finished row takes the next prompt, the cache compacts, replies stay generate's."""
+    from draftsmith.data.generation import generate_batch
+    from draftsmith.decoding.sampling import SamplingParams
+    from draftsmith.models import kv
+
+    model, prompts = tiny_model(arch), _prompts((5, 17, 9, 3, 30, 12, 21, 8, 2, 14))
+    params = SamplingParams(temperature=temperature, top_p=0.9 if temperature else None)
+    seeds = list(range(len(prompts)))
+    admits, moves = [], []
+    real_admit, real_move = kv.BatchKVCache.admit, kv.BatchKVCache._move
+    monkeypatch.setattr(kv.BatchKVCache, "admit", lambda self, row, src: (admits.append(row), real_admit(self, row, src)))
+    monkeypatch.setattr(kv.BatchKVCache, "_move", lambda self, d, capacity=None: (moves.append(d),
+                                                                                 real_move(self, d, capacity)))
+    bar = _Bar()
+    lean = generate_batch(model, prompts, seeds, params, 40, [1], 1, bar=bar, engine="lean", batch_size=3)
+    hf = generate_batch(model, prompts, seeds, params, 40, [1], 1, engine="hf")
+    assert lean == hf
+    assert len(admits) > 3 and set(admits) == {0, 1, 2}  # rows were refilled
+    assert any(d < 0 for d in moves)  # the cache dropped all-padding slots instead of growing
+    assert bar.n == len(prompts) * 40
+    hf3 = generate_batch(model, prompts, seeds, params, 40, [1], 1, engine="hf", batch_size=3)
+    assert hf3 == hf  # hf decodes batch_size prompts per generate call
+    # a prompt longer than the cache's filled slots arrives mid-stream: every row moves right
+    short_first = [prompts[3], prompts[4], prompts[0]]  # 3, 30, 5 tokens; replies of 8 (no eos)
+    moves.clear()
+    lean = generate_batch(model, short_first, seeds[:3], params, 8, [], 1, engine="lean", batch_size=1)
+    assert lean == generate_batch(model, short_first, seeds[:3], params, 8, [], 1, engine="hf")
+    assert len([d for d in moves if d > 0]) >= 2  # the first prompt's admission, then the long one's
+
+
+def test_continuous_batching_negative_control(monkeypatch):
+    """A refilled row that also sees its previous prompt's slots gets other replies: the test can fail."""
+    from draftsmith.data.generation import generate_batch
+    from draftsmith.decoding.sampling import SamplingParams
+    from draftsmith.models import kv
+
+    model, prompts = tiny_model("llama"), _prompts((5, 17, 9, 3, 30, 12, 21, 8, 2, 14))
+    greedy = SamplingParams(temperature=0.0)
+    good = generate_batch(model, prompts, [0] * 10, greedy, 24, [1], 1, engine="lean", batch_size=2)
+    real_admit = kv.BatchKVCache.admit
+
+    def leaky(self, row, src):
+        real_admit(self, row, src)
+        self.pads[row] = 0  # the stale slots before the new prompt become visible
+        self._pads[row] = 0
+
+    monkeypatch.setattr(kv.BatchKVCache, "admit", leaky)
+    bad = generate_batch(model, prompts, [0] * 10, greedy, 24, [1], 1, engine="lean", batch_size=2)
+    assert sum(a != b for a, b in zip(good, bad)) >= 3
+
+
 def test_batch_generation_engine_errors():
     from draftsmith.data.generation import generate_batch
     from draftsmith.decoding.sampling import SamplingParams

@@ -393,7 +393,8 @@ def test_disk_full_leaves_no_partial_shard(tok, tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- regeneration
 def regen(m, tok, convs, path, **kw):
-    kw = {"max_new_tokens": 10, "batch_size": 3, "progress": False, **kw}
+    # chunks of 4 prompts, 2 rows decoding at a time: rows refill within a chunk
+    kw = {"max_new_tokens": 10, "batch_size": 2, "chunk_batches": 2, "progress": False, **kw}
     return R.regenerate(m, tok, convs, path, **kw)
 
 
@@ -402,15 +403,15 @@ def test_regenerate_resumes_to_an_identical_file(tok, tmp_path, monkeypatch, tem
     m, convs = model(), prompts()
     full = regen(m, tok, convs, tmp_path / "full.jsonl", temperature=temperature, seed=3)
     real = R.generate_batch
-    monkeypatch.setattr(R, "generate_batch", interrupted_on_call(real))  # after the first batch
+    monkeypatch.setattr(R, "generate_batch", interrupted_on_call(real))  # after the first chunk
     cut = tmp_path / "cut.jsonl"
     with pytest.raises(KeyboardInterrupt):
         regen(m, tok, convs, cut, temperature=temperature, seed=3)
     lines = cut.read_bytes().splitlines(keepends=True)
-    assert len(lines) == 3
-    # the run also died inside a write: a torn line, and one line of the next batch already out
+    assert len(lines) == 4
+    # the run also died inside a write: a torn line, and one line of the next chunk already out
     text = full.read_bytes().splitlines(keepends=True)
-    cut.write_bytes(b"".join(lines) + text[3] + text[4][:17])
+    cut.write_bytes(b"".join(lines) + text[4] + text[5][:17])
     monkeypatch.setattr(R, "generate_batch", real)
     regen(m, tok, convs, cut, temperature=temperature, seed=3)
     assert cut.read_bytes() == full.read_bytes()
@@ -427,10 +428,10 @@ def test_regenerated_records(tok, tmp_path):
     path = regen(m, tok, convs, tmp_path / "r.jsonl", max_new_tokens=6, fingerprint=FP)
     recs = [json.loads(x) for x in path.read_text().splitlines()]
     by_id = {r["id"]: r for r in recs}
-    # batches are the longest prompts first; each batch is written in input order
+    # chunks are the longest prompts first; each chunk is written in input order
     lengths = {c.id: len(encode_chat(tok, c.prompt_messages())) for c in convs}
-    first = sorted(lengths, key=lambda i: (-lengths[i], int(i[1:])))[:3]
-    assert [r["id"] for r in recs[:3]] == sorted(first, key=lambda i: int(i[1:]))
+    first = sorted(lengths, key=lambda i: (-lengths[i], int(i[1:])))[:4]
+    assert [r["id"] for r in recs[:4]] == sorted(first, key=lambda i: int(i[1:]))
     for c in convs:
         r = by_id[c.id]
         assert r["messages"][:-1] == c.prompt_messages() and r["messages"][-1]["role"] == "assistant"
@@ -478,7 +479,7 @@ def test_regenerate_bad_input(tok, tmp_path, caplog):
 
 def test_regenerate_disk_full_keeps_finished_replies(tok, tmp_path, monkeypatch):
     m, convs = model(), prompts()
-    full = regen(m, tok, convs, tmp_path / "full.jsonl")
+    full = regen(m, tok, convs, tmp_path / "full.jsonl", chunk_batches=1)
     real_fsync, calls = os.fsync, []
 
     def full_disk(fd):
@@ -488,10 +489,10 @@ def test_regenerate_disk_full_keeps_finished_replies(tok, tmp_path, monkeypatch)
         return real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", full_disk)
-    with pytest.raises(DraftsmithError, match="the disk is full; the 6 finished replies are kept"):
-        regen(m, tok, convs, tmp_path / "cut.jsonl")
+    with pytest.raises(DraftsmithError, match="the disk is full; the 4 finished replies are kept"):
+        regen(m, tok, convs, tmp_path / "cut.jsonl", chunk_batches=1)
     monkeypatch.setattr(os, "fsync", real_fsync)
-    regen(m, tok, convs, tmp_path / "cut.jsonl")
+    regen(m, tok, convs, tmp_path / "cut.jsonl", chunk_batches=1)
     assert (tmp_path / "cut.jsonl").read_bytes() == full.read_bytes()
 
 

@@ -15,6 +15,7 @@ import torch
 
 from draftsmith.decoding.sampling import SamplingParams, logits_to_probs
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.kv import KVCache
 
 
 class _PerSampleSampler:
@@ -111,32 +112,42 @@ class TokenProgress:
 
 def generate_batch(model: torch.nn.Module, prompts: list[list[int]], seeds: list[int], params: SamplingParams,
                    max_new_tokens: int, eos: list[int], pad: int, bar: Any = None,
-                   engine: str = "auto") -> list[tuple[list[int], str]]:
-    """Replies to ``prompts``, decoded together: ``(token ids without eos, finish reason)``.
+                   engine: str = "auto", batch_size: int | None = None) -> list[tuple[list[int], str]]:
+    """Replies to ``prompts``: ``(token ids without eos, finish reason)``, in the prompts' order.
 
-    Two engines, the same replies up to rounding (the prompts are left-padded in both):
+    At most ``batch_size`` (None: all) prompts decode together. Two engines, the same
+    replies up to rounding:
 
     - ``lean`` (``auto`` picks it for every model the lean forward supports,
       :func:`~draftsmith.models.lean.lean_unsupported`; like the decoding engine, it calls
-      the modules' forwards, not their hooks): :meth:`LeanDecoder.forward_batch`
-      over a preallocated :class:`~draftsmith.models.kv.BatchKVCache`; a row that has
-      ended leaves the batch, so a batch costs its replies' tokens, not B times its
-      longest reply, and no cache is concatenated per step.
-    - ``hf``: one transformers ``generate`` call.
+      the modules' forwards, not their hooks): continuous batching.
+      :meth:`LeanDecoder.forward_batch` steps ``batch_size`` rows over a preallocated
+      :class:`~draftsmith.models.kv.BatchKVCache`; each prompt is prefilled on its own
+      (no padding computed) and put into a free row, and when a reply ends its row takes
+      the next prompt, so every step runs a full batch until the prompts run out. Rows
+      leave the batch only then. The schedule depends only on the prompts and
+      ``batch_size``: the same call gives the same replies.
+    - ``hf``: one transformers ``generate`` call per ``batch_size`` prompts, left-padded.
 
     ``bar``: a progress bar in token slots (``max_new_tokens`` per reply), moved per decode step.
     """
     if engine not in ("auto", "lean", "hf"):
         raise DraftsmithError(f"generation engine must be auto, lean or hf; got {engine!r}")
+    if batch_size is not None and batch_size < 1:
+        raise DraftsmithError(f"batch size must be >= 1, got {batch_size}")
+    size = min(batch_size or len(prompts), len(prompts))
     if engine != "hf":
         from draftsmith.models.lean import lean_unsupported
 
         why = lean_unsupported(model)
         if why is None:
-            return _lean_batch(model, prompts, seeds, params, max_new_tokens, eos, pad, bar)
+            return _lean_batch(model, prompts, seeds, params, max_new_tokens, eos, bar, size)
         if engine == "lean":
             raise DraftsmithError(f"the lean generation engine cannot run this verifier: {why}")
-    return _hf_batch(model, prompts, seeds, params, max_new_tokens, eos, pad, bar)
+    out: list[tuple[list[int], str]] = []
+    for i in range(0, len(prompts), size):
+        out += _hf_batch(model, prompts[i:i + size], seeds[i:i + size], params, max_new_tokens, eos, pad, bar)
+    return out
 
 
 def _left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,48 +162,84 @@ def _left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torc
 
 
 def _lean_batch(model: torch.nn.Module, prompts: list[list[int]], seeds: list[int], params: SamplingParams,
-                max_new_tokens: int, eos: list[int], pad: int, bar: Any) -> list[tuple[list[int], str]]:
+                max_new_tokens: int, eos: list[int], bar: Any, size: int) -> list[tuple[list[int], str]]:
     from draftsmith.models.lean import LeanDecoder
 
     dec = LeanDecoder(model)
     device = dec.device
-    B = len(prompts)
-    ids, _ = _left_padded(prompts, pad)
-    width = ids.shape[1]
-    cache = dec.new_batch_cache([width - len(p) for p in prompts], width + max_new_tokens)
     gens = None if params.greedy else [torch.Generator(device=device).manual_seed(s) for s in seeds]
     stop = set(eos)
     replies: list[list[int]] = [[] for _ in prompts]
-    reasons = ["length"] * B
-    rows = list(range(B))  # the prompt index of each row of the cache
-    step_ids = ids.to(device)
+    reasons = ["length"] * len(prompts)
+    queue = iter(range(len(prompts)))
+
+    def pick(logits: torch.Tensor, rows: list[int]) -> list[int]:
+        if gens is None:
+            return logits.argmax(-1).tolist()
+        # each row draws from its own generator, as _PerSampleSampler does for generate
+        cdf = logits_to_probs(logits.float(), params).cumsum(-1)
+        u = torch.cat([torch.rand(1, generator=gens[r], device=device) for r in rows])
+        return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(
+            max=cdf.shape[-1] - 1)[:, 0].tolist()
+
+    def took(r: int, tok: int) -> bool:
+        """Record prompt r's next token; True while its reply goes on."""
+        if tok in stop:
+            reasons[r] = "stop"
+            slots = max_new_tokens - len(replies[r])  # this token's slot and the unused ones
+        else:
+            replies[r].append(tok)
+            slots = 1
+        if bar is not None:
+            bar.update(slots)
+        return tok not in stop and len(replies[r]) < max_new_tokens
+
+    def prefill(r: int) -> KVCache | None:
+        """Prompt r on its own: its cache when its reply goes on past the first token, else None."""
+        ids = torch.tensor(prompts[r], dtype=torch.long, device=device)
+        single = dec.new_cache(len(ids))
+        logits, _ = dec.forward(ids, torch.arange(len(ids), device=device), single, keep=1)
+        single.advance(len(ids))
+        return single if took(r, pick(logits, [r])[0]) else None
+
+    def next_prompt() -> tuple[int, KVCache] | None:
+        for r in queue:
+            single = prefill(r)
+            if single is not None:
+                return r, single
+        return None
+
+    rows: list[int] = []  # the prompt each row of the cache decodes
+    cache = None
     with torch.inference_mode():
-        for step in range(max_new_tokens):
-            logits = dec.forward_batch(step_ids, cache)  # [len(rows), V]
-            if gens is None:
-                tokens = logits.argmax(-1).tolist()
-            else:  # each row draws from its own generator, as _PerSampleSampler does for generate
-                cdf = logits_to_probs(logits.float(), params).cumsum(-1)
-                u = torch.cat([torch.rand(1, generator=gens[r], device=device) for r in rows])
-                tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(
-                    max=cdf.shape[-1] - 1)[:, 0].tolist()
-            going, slots = [], 0
-            for j, (r, tok) in enumerate(zip(rows, tokens)):
-                slots += 1
-                if tok in stop:
-                    reasons[r] = "stop"
-                    slots += max_new_tokens - step - 1  # its unused slots are done too
-                else:
-                    replies[r].append(tok)
-                    going.append(j)
-            if bar is not None:
-                bar.update(slots)
-            if not going or step == max_new_tokens - 1:
+        while len(rows) < size:  # the first rows
+            got = next_prompt()
+            if got is None:
                 break
-            if len(going) < len(rows):
-                cache.keep(going)
+            if cache is None:
+                longest = max(len(p) for p in prompts)
+                cache = dec.new_batch_cache([0] * size, longest + max_new_tokens + max(16, max_new_tokens // 4))
+            cache.admit(len(rows), got[1])
+            rows.append(got[0])
+        if cache is not None and len(rows) < size:
+            cache.keep(range(len(rows)))
+        while rows:
+            step_ids = torch.tensor([[replies[r][-1]] for r in rows], dtype=torch.long, device=device)
+            tokens = pick(dec.forward_batch(step_ids, cache), rows)
+            free = [j for j, (r, tok) in enumerate(zip(rows, tokens)) if not took(r, tok)]
+            gone = []
+            for j in free:  # a finished row takes the next prompt; none left: it leaves the batch
+                got = next_prompt()
+                if got is None:
+                    gone.append(j)
+                else:
+                    cache.admit(j, got[1])
+                    rows[j] = got[0]
+            if gone:
+                going = [j for j in range(len(rows)) if j not in set(gone)]
+                if going:
+                    cache.keep(going)
                 rows = [rows[j] for j in going]
-            step_ids = torch.tensor([[tokens[j]] for j in going], dtype=torch.long, device=device)
     return list(zip(replies, reasons))
 
 

@@ -27,6 +27,9 @@ from draftsmith.utils import complete_lines, progress_bar, write_error
 
 log = logging.getLogger(__name__)
 
+#: batches per chunk of regeneration, the unit it writes and resumes in
+CHUNK_BATCHES = 4
+
 
 def _read_regenerated(path: Path, generation: dict[str, Any], known_ids: set[str]) -> set[str]:
     """Ids already regenerated in ``path``; a torn last line (interrupted write) is cut off.
@@ -78,7 +81,8 @@ def prompt_limit(model: torch.nn.Module, max_new_tokens: int, max_prompt_tokens:
 def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[Conversation], out_path: Path, *,
                max_new_tokens: int = 256, temperature: float = 0.0, top_p: float | None = None,
                batch_size: int = 8, max_prompt_tokens: int | None = None, seed: int = 0, progress: bool = True,
-               fingerprint: str | None = None, source: ReplySource | None = None, engine: str = "auto") -> Path:
+               fingerprint: str | None = None, source: ReplySource | None = None, engine: str = "auto",
+               chunk_batches: int = CHUNK_BATCHES) -> Path:
     """Answer every prompt with the verifier and append the conversations to a JSONL file.
 
     Each line is ``{"id", "messages", "meta"}``: the conversation's prompt messages
@@ -94,11 +98,14 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
     part of the reply.
 
     Order and resume: prompts are sorted by length (longest first, ties by input
-    position) and cut into batches, which limits padding; each batch's records
-    are written in input order, flushed, and fsynced. A re-run reads the file
-    (cutting a torn last line), skips finished ids and regenerates only the rest,
-    with the same batches as an uninterrupted run, so the final file is identical
-    either way. Sampling (``temperature > 0``) draws each sample from its own
+    position) and cut into chunks of ``chunk_batches`` batches; within a chunk the
+    in-process verifier decodes ``batch_size`` rows at a time and a row whose reply
+    ends takes the chunk's next prompt (continuous batching,
+    :func:`~draftsmith.data.generation.generate_batch`). Each chunk's records are
+    written in input order, flushed, and fsynced. A re-run reads the file (cutting a
+    torn last line), skips finished ids and regenerates only the rest, with the same
+    chunks as an uninterrupted run, so the final file is identical either way; an
+    interruption loses at most the chunk in progress. Sampling (``temperature > 0``) draws each sample from its own
     generator seeded by ``(seed, id)`` (:func:`~draftsmith.data.generation.sample_seed`)
     for the same reason.
 
@@ -110,7 +117,10 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
         max_new_tokens: reply length limit.
         temperature: 0 = greedy; > 0 samples.
         top_p: nucleus filter when sampling.
-        batch_size: prompts decoded together (one batch).
+        batch_size: prompts decoded together (the rows of a batch).
+        chunk_batches: batches per chunk, the unit of writing and resuming (a server
+            ``source`` answers one batch per chunk); more rows end and refill within a
+            longer chunk, fewer run alone at its end.
         max_prompt_tokens: drop prompts longer than this (besides the context limit).
         seed: salts the per-sample sampling seeds.
         progress: show a progress bar with generated tokens/s.
@@ -134,6 +144,8 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
         raise DraftsmithError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if batch_size < 1:
         raise DraftsmithError(f"--batch-size must be >= 1, got {batch_size}")
+    if chunk_batches < 1:
+        raise DraftsmithError(f"chunk_batches must be >= 1, got {chunk_batches}")
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
         raise DraftsmithError(f"--max-prompt-tokens must be >= 1, got {max_prompt_tokens}")
     convs = require_conversations(conversations, "regenerate")
@@ -167,7 +179,8 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
         log.warning("regenerate: dropped %d of %d prompts longer than %d tokens", dropped, len(convs), limit)
 
     order = sorted(prompts, key=lambda p: (-len(p[1]), p[0]))
-    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    chunk = batch_size * (chunk_batches if source is None else 1)
+    batches = [order[i:i + chunk] for i in range(0, len(order), chunk)]
     eos = eos_ids(model, tokenizer)
     pad = pad_id(tokenizer, eos)
     todo = sum(convs[j].id not in done for j, _ in prompts)
@@ -176,14 +189,15 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
         return out_path
     out_path.parent.mkdir(parents=True, exist_ok=True)
     t0, new_tokens = time.perf_counter(), 0
-    # A partly written batch is generated whole again: the same batch gives the same replies.
+    # A partly written chunk is generated whole again: the same chunk gives the same replies.
     batches = [b for b in batches if not all(convs[j].id in done for j, _ in b)]
     # In token slots (max_new_tokens per reply), moved per decode step (generation.TokenProgress).
     bar = progress_bar(sum(len(b) for b in batches) * max_new_tokens, "regenerate", "tok", progress, unit_scale=True)
     work = [([ids for _, ids in b], [sample_seed(seed, convs[j].id) for j, _ in b]) for b in batches]
     if source is None:
         answers: Iterator[list[Reply]] = (generate_batch(model, p, s, params, max_new_tokens, eos, pad,
-                                                         bar=bar if progress else None, engine=engine)
+                                                         bar=bar if progress else None, engine=engine,
+                                                         batch_size=batch_size)
                                           for p, s in work)
     else:
         answers = source.replies(work, params, max_new_tokens, eos)

@@ -180,14 +180,20 @@ class BatchKVCache:
     """Keys and values ``[B, nkv, S, hd]`` per layer for B left-padded sequences decoded together.
 
     Regeneration's batches (:func:`draftsmith.data.generation.generate_batch`): row b's
-    prompt fills slots ``[pad_b, width)``, so every row's next token goes to the same slot
-    T and a step writes one slice. Slot s holds row b's position ``s - pad_b``; a query
+    tokens fill slots ``[pad_b, T)``, so every row's next token goes to the same slot T
+    and a step writes one slice. Slot s holds row b's position ``s - pad_b``; a query
     attends to the keys at slots ``[pad_b, its own]`` (within a sliding window, counted in
     slots, which is counted in positions); a padding slot's query attends to itself only,
     so it stays finite and nothing reads it. Grouped-query attention folds the query
     heads of one KV head into that head's queries (as transformers' masked one-token
-    path does), so no K/V is repeated. :meth:`keep` drops finished rows, so a batch stops
-    computing a reply once it has ended.
+    path does), so no K/V is repeated. Attention reads from the smallest padding on, so
+    slots that are padding in every row cost nothing.
+
+    Continuous batching: :meth:`admit` puts a sequence prefilled on its own
+    (:class:`KVCache`) into a row whose reply has ended, ending at slot T like the others;
+    when T reaches the capacity the slots every row pads are dropped (a shift left), so a
+    stream of prompts needs no more than the longest prompt plus the most new tokens.
+    :meth:`keep` drops rows (when no prompt is left to refill them).
 
     Args:
         num_layers, num_kv_heads, head_dim: per layer, as :class:`KVCache`.
@@ -207,8 +213,10 @@ class BatchKVCache:
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.windows = list(windows) if windows is not None else [None] * num_layers
         self.pads = torch.as_tensor(list(pads), dtype=torch.long, device=device)
+        self._pads = [int(p) for p in pads]  # the same on the host: decisions without a device sync
         self.capacity = capacity
         self.length = 0
+        self.moves = 0  # shifts of the whole cache (admitting a long prompt, compacting)
         self._masks: dict[tuple[int | None, int], torch.Tensor] = {}
 
     @property
@@ -216,14 +224,23 @@ class BatchKVCache:
         return int(self.pads.shape[0])
 
     def begin(self, m: int) -> torch.Tensor:
-        """Prepare a forward of the next ``m`` slots; returns the rows' positions ``[B, m]``."""
+        """Prepare a forward of the next ``m`` slots; returns the rows' positions ``[B, m]``.
+
+        When the m slots do not fit, the slots that are padding in every row are dropped
+        first; if that is not enough, the buffers grow.
+        """
+        if self.length + m > self.capacity:
+            lo = min(self._pads)
+            if lo > 0:
+                self._move(-lo)
+            if self.length + m > self.capacity:
+                self._move(0, capacity=self.length + m + max(64, self.capacity // 4))
         T = self.length
-        if T + m > self.capacity:
-            raise DraftsmithError(f"batch KV cache full: {T} cached + {m} new slots > capacity {self.capacity}")
         dev = self.pads.device
-        slots = torch.arange(T + m, device=dev)[None, None, :]  # [1, 1, T+m]
+        self._lo = lo = min(min(self._pads), T)
+        slots = torch.arange(lo, T + m, device=dev)[None, None, :]  # [1, 1, T+m-lo]
         qslots = torch.arange(T, T + m, device=dev)[None, :, None]  # [1, m, 1]
-        self._base = (slots >= self.pads[:, None, None]) & (slots <= qslots)  # [B, m, T+m]
+        self._base = (slots >= self.pads[:, None, None]) & (slots <= qslots)  # [B, m, T+m-lo]
         self._base |= slots == qslots  # a padding query sees itself only
         self._qslots, self._slots = qslots, slots
         self._masks = {}
@@ -235,7 +252,7 @@ class BatchKVCache:
             mask = self._base
             if window is not None:
                 mask = mask & (self._slots > self._qslots - window)
-            # [B, 1, rep*m, T+m]: the rep query heads of a KV head are queries of that head
+            # [B, 1, rep*m, T+m-lo]: the rep query heads of a KV head are queries of that head
             # (one query position: the mask row broadcasts over them)
             self._masks[key] = mask.repeat(1, rep, 1)[:, None] if rep > 1 and mask.shape[1] > 1 else mask[:, None]
         return self._masks[key]
@@ -245,17 +262,54 @@ class BatchKVCache:
         K, V = self.keys[i], self.values[i]
         B, nh, m, hd = q.shape
         nkv = K.shape[1]
-        T = self.length
+        T, lo = self.length, self._lo
         K[:, :, T:T + m] = k
         V[:, :, T:T + m] = v
         rep = nh // nkv
-        out = F.scaled_dot_product_attention(q.reshape(B, nkv, rep * m, hd), K[:, :, :T + m], V[:, :, :T + m],
+        out = F.scaled_dot_product_attention(q.reshape(B, nkv, rep * m, hd), K[:, :, lo:T + m], V[:, :, lo:T + m],
                                              attn_mask=self._mask(self.windows[i], rep), scale=scale)
         return out.view(B, nh, m, hd)
 
     def advance(self, m: int) -> None:
         """Mark the ``m`` slots the last forward wrote as valid."""
         self.length += m
+
+    def admit(self, row: int, source: KVCache) -> None:
+        """Put the ``source.length`` positions of one sequence into ``row``, ending at slot T.
+
+        The row's earlier contents are dropped (its reply has ended). A sequence longer
+        than T moves every row right first.
+        """
+        L = source.length
+        if L > self.length:
+            self._move(L - self.length, capacity=max(self.capacity, L + 1))
+        T = self.length
+        for mine, theirs in ((self.keys, source.keys), (self.values, source.values)):
+            for buf, src in zip(mine, theirs):
+                buf[row, :, T - L:T] = src[0, :, :L]
+        self.pads[row] = T - L
+        self._pads[row] = T - L
+
+    def _move(self, d: int, capacity: int | None = None) -> None:
+        """Shift every row's slots by ``d`` (< 0: drop ``-d`` slots that every row pads), optionally resizing."""
+        T = self.length
+        cap = capacity or self.capacity
+        lo = max(0, -d)
+        if lo > min(self._pads):
+            raise DraftsmithError(f"batch KV cache: cannot drop {lo} slots, a row starts at {min(self._pads)}")
+        for buffers in (self.keys, self.values):
+            for j, old in enumerate(buffers):
+                if cap != self.capacity:
+                    new = old.new_zeros(old.shape[0], old.shape[1], cap, old.shape[3])
+                    new[:, :, lo + d:T + d] = old[:, :, lo:T]
+                    buffers[j] = new
+                elif d:
+                    old[:, :, lo + d:T + d] = old[:, :, lo:T].clone()  # the ranges overlap
+        self.pads += d
+        self._pads = [p + d for p in self._pads]
+        self.length = T + d
+        self.capacity = cap
+        self.moves += 1
 
     def keep(self, rows: Sequence[int]) -> None:
         """Keep only ``rows`` (indices into the current batch), copying their valid slots."""
@@ -267,3 +321,4 @@ class BatchKVCache:
                 new[:, :, :T] = old[:, :, :T].index_select(0, idx)
                 buffers[j] = new
         self.pads = self.pads.index_select(0, idx)
+        self._pads = [self._pads[r] for r in rows]

@@ -52,7 +52,8 @@ class DataSection:
     max_new_tokens: int = opt(256, "longest regenerated response")
     temperature: float = opt(0.0, "regeneration temperature (0: the verifier's greedy outputs, for a draft "
                                   "served at greedy)")
-    batch_size: int = opt(16, "regeneration batch size (prompts decoded together; 16 was the fastest of "
+    batch_size: int = opt(16, "regeneration batch size (rows decoded together; a row whose reply ends takes "
+                              "the next prompt; 16 was the fastest of "
                               "8-32 in float32 without AMX, and 32 is 1.16x faster in bfloat16 with AMX, "
                               "BENCHMARKS.md section 9d)")
     max_prompt_tokens: int = opt(512, "longer prompts are dropped")
