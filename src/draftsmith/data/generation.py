@@ -135,7 +135,7 @@ def generate_batch(model: torch.nn.Module, prompts: list[list[int]], seeds: list
         raise DraftsmithError(f"generation engine must be auto, lean or hf; got {engine!r}")
     if batch_size is not None and batch_size < 1:
         raise DraftsmithError(f"batch size must be >= 1, got {batch_size}")
-    size = min(batch_size or len(prompts), len(prompts))
+    size = max(1, min(batch_size or len(prompts), len(prompts)))
     if engine != "hf":
         from draftsmith.models.lean import lean_unsupported
 
