@@ -237,3 +237,14 @@ def test_top_up_is_zero_when_the_plan_held_or_ran_over(tmp_path):
     assert B.top_up(cfg_self, plan, short, regen, elapsed, tmp_path)["prompts"] == 0
     # empty replies are not captured, so they are not counted as data
     assert B.regenerated_tokens(_regenerated(tmp_path / "e.jsonl", 10, 100, 50, empty=4)) == (6, 900)
+
+
+def test_regenerated_tokens_reads_replies_with_unicode_line_separators(tmp_path):
+    """A reply holding U+2028 / U+0085 (written raw, ensure_ascii=False) is one record, not two lines."""
+    path = _regenerated(tmp_path / "r.jsonl", 3, 10, 5)
+    rec = {"id": "u", "messages": [{"role": "assistant", "content": "a\u2028b\x85c\x1cd"}],
+           "meta": {"prompt_tokens": 7, "completion_tokens": 4, "finish_reason": "stop"}}
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    assert len(path.read_text(encoding="utf-8").splitlines()) > 4  # what str.splitlines would have read
+    assert B.regenerated_tokens(path) == (4, 3 * 15 + 11)

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.gate import MIN_JUDGED_PROMPTS
+from draftsmith.utils import complete_lines
 
 #: shares of what is left after fixed costs: the bench's target share of the budget,
 #: and the smallest useful run (prompts measured; conversations trained on)
@@ -318,7 +319,8 @@ def calibrate(vd: Any, v: Any, data: Any, train: Any, bench: Any, work: Path, pr
                       checkpoint_every=10**6, max_steps=TRAIN_STEPS, epochs=100.0, device=v.device)
     run_train(cfg, samples=samples, verifier=v.model, fingerprint="calibration",
               aux_layer_ids=resolve_aux_layer_ids(model), progress=False)
-    rates = [json.loads(line).get("tokens_per_s") for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rates = [json.loads(line).get("tokens_per_s") for line in complete_lines(out / "metrics.jsonl", cut=False)
+             if line.strip()]
     # the first steps also pay one-time costs (allocator, kernel selection): they priced training
     # 2x too dear in a 10-minute run, whose training then ended in a quarter of its share
     steady = [r for r in rates[TRAIN_WARMUP_STEPS:] if r] or [r for r in rates if r]
@@ -379,9 +381,14 @@ def apply_plan(cfg: Any, plan: Plan) -> Any:
 
 
 def regenerated_tokens(path: Path) -> tuple[int, int]:
-    """Conversations a regenerated file gives capture (empty replies are skipped) and their prompt + reply tokens."""
+    """Conversations a regenerated file gives capture (empty replies are skipped) and their prompt + reply tokens.
+
+    Lines are split at "\\n" only (:func:`~draftsmith.utils.complete_lines`): a reply may hold
+    U+2028 or U+0085, which ``str.splitlines`` also splits at (a 56-minute regeneration
+    once died here on one).
+    """
     convs = tokens = 0
-    for line in Path(path).read_text().splitlines():
+    for line in complete_lines(Path(path), cut=False):
         if line.strip():
             meta = json.loads(line)["meta"]
             if meta.get("finish_reason") != "empty":
@@ -477,7 +484,7 @@ def extrapolate(metrics_path: Path, factors: tuple[float, ...] = (2.0, 4.0)) -> 
     import numpy as np
 
     try:
-        recs = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+        recs = [json.loads(line) for line in complete_lines(Path(metrics_path), cut=False) if line.strip()]
     except OSError:
         return None
     pts = [(r["step"], r["val_acceptance_length"]) for r in recs if "val_acceptance_length" in r and r["step"] > 0]
