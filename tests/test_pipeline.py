@@ -291,9 +291,14 @@ def test_top_up_regenerates_the_next_prompts_and_captures_them_all(setup, tmp_pa
     assert r0["count"] == 6 and c0["sha"] != c["sha"]
 
 
-def test_budgeted_run_calibrates_plans_tops_up_and_reruns_from_the_cache(setup, tmp_path, capsys):
+class _Stop(Exception):
+    pass
+
+
+def test_budgeted_run_calibrates_plans_tops_up_and_reruns_from_the_cache(setup, tmp_path, capsys, monkeypatch):
     """`--budget`: calibration, the plan (stored), the top-up decision (stored), training fitted to the
-    time left; the report carries the plan with what each step took, and a rerun does no work."""
+    time left; the report carries the plan with what each step took, a rerun does no work, and a
+    resumed attempt counts the time its cached steps took."""
     root, verifier = setup
     ver = tmp_path / "verifier"
     shutil.copytree(verifier, ver)
@@ -324,3 +329,23 @@ def test_budgeted_run_calibrates_plans_tops_up_and_reruns_from_the_cache(setup, 
     for step in ("prompts", "regenerate", "capture", "train", "bench", "export"):
         assert f"[{step}] up to date" in err
     assert "[topup] no further prompts" in err  # the only work: finding the dataset exhausted again
+    # A resumed attempt (the stored plan, the data steps cached, training's fit not yet decided):
+    # the budget also counts the time the cached steps took when they ran.
+    from draftsmith.pipeline import budget
+
+    raw = json.loads((out / "plan.json").read_text())
+    del raw["train_fit"]
+    (out / "plan.json").write_text(json.dumps(raw))
+    seen = []
+
+    def fit(cfg, plan, tokens, elapsed, out_dir):
+        seen.append(elapsed)
+        raise _Stop
+
+    monkeypatch.setattr(budget, "fit_training", fit)
+    with pytest.raises(_Stop):
+        main(["pipeline", "run", str(cfg)])
+    earlier = sum(json.loads((d / "done.json").read_text())["seconds"] for d in (out / "steps").iterdir()
+                  if d.name.split("-")[0] in ("prompts", "regenerate", "topup_prompts", "topup_regenerate",
+                                              "topup_merge", "capture") and (d / "done.json").is_file())
+    assert earlier > 0 and len(seen) == 1 and seen[0] >= earlier

@@ -13,7 +13,10 @@ threads, device) and the configuration it was made for; a rerun with the same
 budget on the same machine reuses it instead of measuring again, so its steps come
 out of the step cache. Training gets its time share as ``max_minutes`` (it stops
 with a checkpoint there, and the report says so); everything else is sized in
-advance.
+advance. An interrupted budgeted run resumed with the same command is the same run:
+the decisions it has still to make (the top-up, training's fit) count the time its
+cached steps took when they ran (``StepCache.earlier_seconds``), so the whole run, not
+each attempt, fits the budget.
 """
 
 from __future__ import annotations

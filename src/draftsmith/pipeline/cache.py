@@ -45,10 +45,18 @@ class StepCache:
         #: predicted seconds per step and the whole budget (a budgeted run): printed beside each step
         self.estimates: dict[str, float] = {}
         self.budget_seconds: float | None = None
+        #: seconds the steps found in the cache took when they ran (a resumed run's earlier work)
+        self.earlier_seconds = 0.0
+        #: count ``earlier_seconds`` in the run's elapsed time (a budgeted run resumed under its stored plan)
+        self.count_earlier = False
+
+    def elapsed(self) -> float:
+        """Seconds this run has taken, plus its cached steps' own where ``count_earlier`` is set."""
+        return time.perf_counter() - self.started + (self.earlier_seconds if self.count_earlier else 0.0)
 
     def _clock(self, name: str) -> str:
         """Elapsed time of the run, and what the budget has left (when there is one)."""
-        elapsed = time.perf_counter() - self.started
+        elapsed = self.elapsed()
         text = f"elapsed {elapsed / 60:.1f} min"
         if self.budget_seconds is not None:
             text += f", {max(self.budget_seconds - elapsed, 0) / 60:.1f} min of the budget left"
@@ -68,8 +76,11 @@ class StepCache:
         work = self.dir_for(name, inputs)
         done = work / "done.json"
         if done.is_file():
-            result = json.loads(done.read_text())["result"]
-            self.timings[name] = {"cached": True, "seconds": 0.0, "dir": str(work)}
+            stored = json.loads(done.read_text())
+            result = stored["result"]
+            ran = float(stored.get("seconds") or 0.0)
+            self.earlier_seconds += ran
+            self.timings[name] = {"cached": True, "seconds": 0.0, "ran_seconds": ran, "dir": str(work)}
             self._say(f"[{name}] up to date (cached in {work})")
             return result
         work.mkdir(parents=True, exist_ok=True)

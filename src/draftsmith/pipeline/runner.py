@@ -56,9 +56,16 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
     # data is made in its own (often faster) dtype; training and bench use the verifier's own
     vd = steps.Verifier(cfg.verifier, steps.data_dtype(cfg.data.dtype, cfg.device), cfg.device)
     cache = StepCache(out / "steps")
+
+    def spent() -> float:
+        """Seconds of the budget used: this run's, plus a resumed run's earlier steps' (StepCache.elapsed)."""
+        return time.perf_counter() - t0 + (cache.earlier_seconds if cache.count_earlier else 0.0)
     fp = v.fingerprint
     plan = None
     if cfg.budget is not None:
+        # Resuming this very budgeted run (its plan is stored): the budget also pays for the
+        # steps an earlier attempt finished, so decisions still to make count their time.
+        cache.count_earlier = budget.load_plan(out / "plan.json", budget.plan_key(cfg)) is not None
         plan = budget.plan_for(cfg, v, vd, out, say=steps.say)
         steps.say("[plan] " + plan.describe())
         cfg = budget.apply_plan(cfg, plan)
@@ -83,7 +90,7 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
         def top_up(r: dict[str, Any]) -> int:
             timing = cache.timings.get("regenerate", {})
             decision = budget.top_up(cfg, plan, Path(r["path"]), None if timing.get("cached") else
-                                     timing.get("seconds"), time.perf_counter() - t0, out)
+                                     timing.get("seconds"), spent(), out)
             report["top_up"] = decision
             if decision["prompts"]:
                 cache.estimates["topup_regenerate"] = decision["predicted_seconds"]
@@ -94,7 +101,7 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
 
     p, r, c = steps.run_data_steps(cache, cfg.data, vd, fp, top_up)
     if plan is not None:
-        cfg = budget.fit_training(cfg, plan, c.get("tokens") or 0, time.perf_counter() - t0, out)
+        cfg = budget.fit_training(cfg, plan, c.get("tokens") or 0, spent(), out)
         cache.estimates["train"] = cfg.train.max_minutes * 60 / 1.15
     train_inputs = {"fp": fp, "shards": c["sha"], "train": to_dict(cfg.train), "k": k_export}
     if cfg.train.init_from:
