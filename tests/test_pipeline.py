@@ -324,8 +324,10 @@ def test_budgeted_run_calibrates_plans_tops_up_and_reruns_from_the_cache(setup, 
     assert "[plan] plan for 0.5 min on this machine" in capsys.readouterr().err
     # a rerun: the stored plan, every step from the cache
     assert main(["pipeline", "run", str(cfg)]) == EXIT_GATE_FAILED
-    err = capsys.readouterr().err
+    cap = capsys.readouterr()
+    err = cap.err
     assert "[plan] reusing" in err
+    assert "min with the steps an earlier attempt finished)" in cap.out
     for step in ("prompts", "regenerate", "capture", "train", "bench", "export"):
         assert f"[{step}] up to date" in err
     assert "[topup] no further prompts" in err  # the only work: finding the dataset exhausted again

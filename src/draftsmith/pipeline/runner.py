@@ -137,6 +137,7 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
 
     report.update({
         "steps": cache.timings, "seconds": time.perf_counter() - t0,
+        "seconds_with_earlier_attempts": spent() if cache.count_earlier else None,
         "data": {"prompts": p["count"], "regenerated": r["count"], "tokens": c.get("tokens")},
         "train": {k: t[k] for k in ("steps", "best_val_acceptance_length", "train_seconds")},
         "bench": {"report": b["report"], "candidate": b["summary"], "previous": b.get("previous")},
@@ -180,7 +181,9 @@ def _finish(report: dict[str, Any], out: Path) -> int:
     plan = report.get("plan")
     if plan:
         cut = plan.get("train_cut")
+        earlier = report.get("seconds_with_earlier_attempts")
         print(f"budget: {plan['budget_minutes']:g} min, this run {report['seconds'] / 60:.1f} min"
+              + (f" ({earlier / 60:.1f} min with the steps an earlier attempt finished)" if earlier else "")
               + (f"; training stopped at step {cut['step']} of {cut['planned_steps']} ({cut['reason']})" if cut else ""))
         print(plan["bigger_budget"])
     if not report["gate"]["passed"]:
