@@ -428,10 +428,11 @@ def test_regenerated_records(tok, tmp_path):
     path = regen(m, tok, convs, tmp_path / "r.jsonl", max_new_tokens=6, fingerprint=FP)
     recs = [json.loads(x) for x in path.read_text().splitlines()]
     by_id = {r["id"]: r for r in recs}
-    # chunks are the longest prompts first; each chunk is written in input order
+    # batches are the longest prompts first; each batch is written in input order
     lengths = {c.id: len(encode_chat(tok, c.prompt_messages())) for c in convs}
-    first = sorted(lengths, key=lambda i: (-lengths[i], int(i[1:])))[:4]
-    assert [r["id"] for r in recs[:4]] == sorted(first, key=lambda i: int(i[1:]))
+    by_length = sorted(lengths, key=lambda i: (-lengths[i], int(i[1:])))
+    assert [r["id"] for r in recs[:2]] == sorted(by_length[:2], key=lambda i: int(i[1:]))
+    assert [r["id"] for r in recs[2:4]] == sorted(by_length[2:4], key=lambda i: int(i[1:]))
     for c in convs:
         r = by_id[c.id]
         assert r["messages"][:-1] == c.prompt_messages() and r["messages"][-1]["role"] == "assistant"

@@ -102,7 +102,7 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
     in-process verifier decodes ``batch_size`` rows at a time and a row whose reply
     ends takes the chunk's next prompt (continuous batching,
     :func:`~draftsmith.data.generation.generate_batch`). Each chunk's records are
-    written in input order, flushed, and fsynced. A re-run reads the file (cutting a
+    written batch by batch (each in input order, as static batches wrote them), flushed, and fsynced. A re-run reads the file (cutting a
     torn last line), skips finished ids and regenerates only the rest, with the same
     chunks as an uninterrupted run, so the final file is identical either way; an
     interruption loses at most the chunk in progress. Sampling (``temperature > 0``) draws each sample from its own
@@ -204,7 +204,9 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
     try:
         with open(out_path, "ab") as f:
             for batch, replies in zip(batches, answers, strict=True):
-                for (j, ids), (reply, reason) in sorted(zip(batch, replies), key=lambda x: x[0][0]):
+                # in the order static batches wrote: batch by batch (longest first), input order in each
+                order_in = sorted(range(len(batch)), key=lambda i: (i // batch_size, batch[i][0]))
+                for (j, ids), (reply, reason) in ((batch[i], replies[i]) for i in order_in):
                     conv = convs[j]
                     if conv.id in done:
                         continue
