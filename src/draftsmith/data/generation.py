@@ -236,7 +236,8 @@ def _lean_batch(model: torch.nn.Module, prompts: list[list[int]], seeds: list[in
                     cache.admit(j, got[1])
                     rows[j] = got[0]
             if gone:
-                going = [j for j in range(len(rows)) if j not in set(gone)]
+                ended = set(gone)
+                going = [j for j in range(len(rows)) if j not in ended]
                 if going:
                     cache.keep(going)
                 rows = [rows[j] for j in going]
