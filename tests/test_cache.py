@@ -13,7 +13,7 @@ from draftsmith import generate
 from draftsmith.decoding.runner import runner_kind, verifier_runner
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.kv import KVCache
-from draftsmith.models.lean import LeanDecoder
+from draftsmith.models.lean import LeanDecoder, fast_rope_matches
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
 PATHS = ["lean", "hf-static", "hf-dynamic"]
@@ -112,6 +112,69 @@ def test_lean_steps_bitwise_equal_transformers(arch):
             got, _ = dec.forward(ids[a:b], torch.arange(a, b), cache, b - a)
             cache.advance(b - a)
             assert torch.equal(got, ref), (arch, a, b)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lean_uses_its_one_call_rewrites_where_they_are_the_models(arch):
+    """The bitwise test above runs the folded rope on every family, and F.rms_norm for the
+    Llama-style norms; Gemma's ``1 + w`` norm differs, so the probe keeps its own forward."""
+    import torch.nn.functional as F
+
+    dec = LeanDecoder(tiny_model(arch))
+    assert dec.rope_fast
+    fused = [getattr(L.in_norm, "func", None) is F.rms_norm for L in dec.layers]
+    assert fused == [arch != "gemma3"] * len(dec.layers)
+
+
+def test_norm_probe_refuses_a_different_norm_negative_control():
+    """A norm whose arithmetic is not F.rms_norm's (another eps in its formula, or a centring
+    LayerNorm) keeps its own forward; a Llama-style one gets the one call."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from draftsmith.models.lean import norm_fn
+
+    llama = LlamaRMSNorm(16, eps=1e-6)
+    assert norm_fn(llama) is not llama.forward
+
+    class OffByEps(LlamaRMSNorm):
+        def forward(self, x):
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 2 * self.variance_epsilon + 1e-3))
+
+    other = OffByEps(16, eps=1e-6)
+    assert norm_fn(other) == other.forward
+    ln = torch.nn.LayerNorm(16, eps=1e-6)
+    assert norm_fn(ln) == ln.forward
+
+
+def test_folded_rope_refuses_a_different_formula_negative_control():
+    """An interleaved-pairs rope (GPT-J style) or a partial rotary dim is not the folded one: the probe says so."""
+    def interleaved(q, k, cos, sin):
+        def rot(x):
+            return torch.stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * c + rot(q) * s, k * c + rot(k) * s
+
+    def partial(q, k, cos, sin):  # rope on the first half of the head dim only
+        def one(x):
+            h = x.shape[-1] // 2
+            return torch.cat((one_rot(x[..., :h], cos[..., :h], sin[..., :h]), x[..., h:]), -1)
+
+        def one_rot(x, c, s):
+            h = x.shape[-1] // 2
+            return x * c.unsqueeze(1) + torch.cat((-x[..., h:], x[..., :h]), -1) * s.unsqueeze(1)
+        return one(q), one(k)
+
+    def standard(q, k, cos, sin):
+        def rot(x):
+            h = x.shape[-1] // 2
+            return torch.cat((-x[..., h:], x[..., :h]), -1)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * c + rot(q) * s, k * c + rot(k) * s
+
+    assert fast_rope_matches(standard, {8}, torch.float32)  # the positive twin of the controls
+    assert not fast_rope_matches(interleaved, {8}, torch.float32)
+    assert not fast_rope_matches(partial, {8}, torch.float32)
+    assert not fast_rope_matches(standard, {8, 16}, torch.float32)  # head dims differ per layer
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

@@ -6,7 +6,11 @@ and decorators per layer, mask builders, cache objects that concatenate, output
 dataclasses, and all layers' hidden states when only a few are read. Norms, rotary
 tables and the rope formula are the model's own (its modules and its modeling
 file's ``apply_rotary_pos_emb``), so each family's quirks (Gemma's ``1 + w`` norms
-and scaled embeddings, Qwen3's per-head q/k norms) come with them.
+and scaled embeddings, Qwen3's per-head q/k norms) come with them. Two rewrites cut
+the small ops of a step and keep every result bitwise: a plain Linear is the ``mm``
+(``addmm``) F.linear would reach, called on 2-D hidden states, and the rotate-half
+rope runs folded (:func:`rope_folded`) where a probe at construction shows it equal
+to the model's.
 
 Two decoder-layer layouts are covered (h: hidden state, x: layer input):
 
@@ -96,9 +100,82 @@ def projection(module: torch.nn.Module) -> Projection:
     parameters; any other module (a quantized linear that packs its weight) runs its
     own ``forward``, so the lean path computes what the module computes.
     """
-    if type(module).forward is torch.nn.Linear.forward:
-        return functools.partial(F.linear, weight=module.weight, bias=module.bias)
-    return module.forward
+    if type(module).forward is not torch.nn.Linear.forward:
+        return module.forward
+    w, b = module.weight, module.bias
+    if type(w) is torch.nn.Parameter and type(w.data) is torch.Tensor and (b is None or type(b.data) is torch.Tensor):
+        # A plain float weight: the GEMM that F.linear reaches on a contiguous input (``mm``, or
+        # ``addmm`` with a bias), called directly on the 2-D hidden states, which skips the
+        # linear/matmul/t dispatch layers around it: bitwise the same result, ~2% of a step.
+        wt = w.t()
+        if b is None:
+            return functools.partial(torch.mm, mat2=wt)
+        return lambda x: torch.addmm(b, x, wt)
+    return functools.partial(F.linear, weight=w, bias=b)
+
+
+def fold_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``cat(-sin1, sin2)`` of a rope sine table (halves of the last dim), for :func:`rope_folded`."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), -1)
+
+
+def rope_folded(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                sin_folded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotate-half rope, ``x*cos + rotate_half(x)*sin``, in 4 ops per tensor instead of 8.
+
+    ``rotate_half(x) = cat(-x2, x1)``; ``roll(x) = cat(x2, x1)`` times ``fold_sin(sin)``
+    is the same products (negation is exact), so the result is bitwise the same.
+    """
+    half = q.shape[-1] // 2
+    return q * cos + q.roll(half, -1) * sin_folded, k * cos + k.roll(half, -1) * sin_folded
+
+
+def fast_rope_matches(apply_rope: Callable, head_dims: set[int], dtype: torch.dtype) -> bool:
+    """Whether :meth:`LeanDecoder._rope` computes bitwise what the model's ``apply_rope`` does.
+
+    Probed once on random inputs: the standard rotate-half formula matches; any other
+    (interleaved pairs, a partial rotary dim, a new quirk) does not, and keeps the model's own.
+    """
+    if len(head_dims) != 1:
+        return False
+    hd = head_dims.pop()
+    if hd % 2:
+        return False
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, n, 3, hd, generator=g).to(dtype) for n in (4, 2))
+    cos, sin = (torch.randn(2, 3, hd, generator=g).to(dtype) for _ in range(2))
+    fast = rope_folded(q, k, cos.unsqueeze(1), fold_sin(sin).unsqueeze(1))
+    try:
+        ref = apply_rope(q, k, cos, sin)
+    except Exception:  # noqa: BLE001 - a different signature is a different formula
+        return False
+    return all(torch.equal(a, b) for a, b in zip(ref, fast))
+
+
+def _call(module: torch.nn.Module | None) -> Callable | None:
+    """A module's ``forward`` (nn.Module's call wrapper costs a few microseconds per call)."""
+    return None if module is None else module.forward
+
+
+def norm_fn(module: torch.nn.Module | None) -> Callable | None:
+    """An RMSNorm module as one ``F.rms_norm`` call where a probe shows that bitwise equal.
+
+    transformers' Llama-style RMSNorm is 8 Python-level ops; ``F.rms_norm`` runs the same
+    ATen ops (on CPU) from one call. A norm that computes anything else (Gemma's
+    ``1 + w``, a fused kernel that reduces in another order) fails the probe and keeps
+    its own ``forward``.
+    """
+    if module is None:
+        return None
+    w = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if not isinstance(w, torch.Tensor) or w.dim() != 1 or not isinstance(eps, float):
+        return module.forward
+    fused = functools.partial(F.rms_norm, normalized_shape=(w.shape[0],), weight=w, eps=eps)
+    x = torch.randn(3, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype) * 3
+    with torch.no_grad():
+        return fused if torch.equal(module.forward(x), fused(x)) else module.forward
 
 
 @dataclass
@@ -144,7 +221,7 @@ class LeanDecoder:
         base = model.model
         self.model = model
         self.embed = model.get_input_embeddings()
-        self.norm = base.norm
+        self.norm = norm_fn(base.norm)
         self.head = projection(model.get_output_embeddings())
         # The cache's dtype and device: the embedding's (a quantized projection has no float weight to ask).
         self.dtype, self.device = self.embed.weight.dtype, self.embed.weight.device
@@ -160,15 +237,16 @@ class LeanDecoder:
             nh = a.q_proj.out_features // a.head_dim  # a quantized linear keeps in/out_features too
             nkv = a.k_proj.out_features // a.head_dim
             self.layers.append(_Layer(
-                layer.input_layernorm, projection(a.q_proj), projection(a.k_proj), projection(a.v_proj),
-                projection(a.o_proj), getattr(a, "q_norm", None), getattr(a, "k_norm", None), a.scaling, nh, nkv,
-                a.head_dim, layer.post_attention_layernorm if sandwich else None,
-                layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm,
-                layer.post_feedforward_layernorm if sandwich else None,
-                mlp.act_fn, projection(mlp.gate_proj), projection(mlp.up_proj), projection(mlp.down_proj),
+                norm_fn(layer.input_layernorm), projection(a.q_proj), projection(a.k_proj), projection(a.v_proj),
+                projection(a.o_proj), norm_fn(getattr(a, "q_norm", None)), norm_fn(getattr(a, "k_norm", None)),
+                a.scaling, nh, nkv, a.head_dim, norm_fn(layer.post_attention_layernorm) if sandwich else None,
+                norm_fn(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm),
+                norm_fn(layer.post_feedforward_layernorm) if sandwich else None,
+                _call(mlp.act_fn), projection(mlp.gate_proj), projection(mlp.up_proj), projection(mlp.down_proj),
                 types[i] if per_type_rope else None))
         self.rope_keys = sorted({L.rope_key for L in self.layers}, key=str)
         self.apply_rope = sys.modules[type(base.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        self.rope_fast = fast_rope_matches(self.apply_rope, {L.hd for L in self.layers}, self.dtype)
         self.num_layers = len(self.layers)
         self.hidden_size = cfg.hidden_size
         # A layer that rounds its input (W8A8 int8) needs each position's inputs bitwise as a
@@ -193,25 +271,41 @@ class LeanDecoder:
             input of layer i (0: the embeddings; n: the final normed output), as
             transformers' ``hidden_states[i]``.
         """
-        x, saved = self._layers(self.embed(ids[None]), pos[None],
+        x, saved = self._layers(self.embed(ids), 1, pos[None],
                                 lambda i, q, k, v, scale: cache.attend(i, q, k, v, pos, scale), aux_layer_ids)
-        logits = self.head(x if keep is None else x[:, -keep:])[0]
+        logits = self.head(x if keep is None else x[-keep:])
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        hidden = torch.cat([saved[i][0] for i in aux_layer_ids], -1) if aux_layer_ids else None
+        hidden = torch.cat([saved[i] for i in aux_layer_ids], -1) if aux_layer_ids else None
         return logits, hidden
 
-    def _layers(self, x: torch.Tensor, position_ids: torch.Tensor, attend: Callable,
-                aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """The decoder layers and final norm over embeddings ``x [B, m, H]`` at ``position_ids [B, m]``.
+    def _rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's rope on ``q [B, nh, m, hd]`` and ``k [B, nkv, m, hd]``; ``cos``/``sin`` from :meth:`_tables`."""
+        return rope_folded(q, k, cos, sin) if self.rope_fast else self.apply_rope(q, k, cos, sin)
 
+    def _tables(self, x: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        """Per rope key, (cos, sin) ``[B, 1, m, hd]`` (sin sign-folded for the fast rope)."""
+        rope = {}
+        for key in self.rope_keys:
+            cos, sin = self.rotary.forward(x, position_ids) if key is None else self.rotary.forward(x, position_ids, key)
+            if self.rope_fast:
+                cos, sin = cos.unsqueeze(1), fold_sin(sin).unsqueeze(1)
+            rope[key] = (cos, sin)
+        return rope
+
+    def _layers(self, x: torch.Tensor, B: int, position_ids: torch.Tensor, attend: Callable,
+                aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The decoder layers and final norm over embeddings ``x [B*m, H]`` at ``position_ids [B, m]``.
+
+        Hidden states stay 2-D, ``[B*m, H]`` (what F.linear folds a contiguous 3-D input
+        to), so each projection is one GEMM call.
         ``attend(i, q, k, v, scale)`` writes layer i's keys/values ``[B, nkv, m, hd]`` into
         its cache and returns the attention ``[B, nh, m, hd]`` of the queries ``q``.
-        Returns the normed output and the inputs of the layers in ``aux_layer_ids``.
+        Returns the normed output ``[B*m, H]`` and the inputs of the layers in ``aux_layer_ids``.
         """
-        B, m = x.shape[:2]
-        rope = {key: (self.rotary(x, position_ids) if key is None else self.rotary(x, position_ids, key))
-                for key in self.rope_keys}
+        m = x.shape[0] // B
+        rope = self._tables(x, position_ids)
         saved: dict[int, torch.Tensor] = {}
         for i, L in enumerate(self.layers):
             if i in aux_layer_ids:
@@ -223,9 +317,9 @@ class LeanDecoder:
             v = L.v(h).view(B, m, L.nkv, L.hd).transpose(1, 2)
             if L.q_norm is not None:
                 q, k = L.q_norm(q), L.k_norm(k)
-            q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            q, k = self._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             a = attend(i, q, k, v, L.scale)  # [B, nh, m, hd]
-            a = L.o(a.transpose(1, 2).reshape(B, m, L.nh * L.hd))
+            a = L.o(a.transpose(1, 2).reshape(B * m, L.nh * L.hd))
             if L.post_attn_norm is not None:
                 a = L.post_attn_norm(a)
             x = x + a
@@ -250,11 +344,11 @@ class LeanDecoder:
         Positions come from the cache (slot minus the row's left padding); the cache's
         length moves by m.
         """
-        m = ids.shape[1]
+        B, m = ids.shape
         position_ids = cache.begin(m)
-        x, _ = self._layers(self.embed(ids), position_ids, cache.attend)
+        x, _ = self._layers(self.embed(ids.reshape(-1)), B, position_ids, cache.attend)
         cache.advance(m)
-        logits = self.head(x[:, -1])
+        logits = self.head(x.view(B, m, -1)[:, -1])
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
