@@ -399,3 +399,33 @@ def test_engine_settings_are_checked(tmp_path):
         build_config(None, {"preset": "tiny", "gate": {"engine": "vllm"}})
     assert build_config(None, {"preset": "tiny", "gate": {"engine": "vllm"},
                                "bench": {"engines": ["draftsmith", "vllm"]}}).gate.engine == "vllm"
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="VmRSS is read from Linux /proc")
+def test_peak_rss_reset_releases_what_an_earlier_step_freed():
+    """A bench after training in one process: the pages training freed are handed back before the
+    peak is reset, so the bench's peak starts from what is in use. Negative control: a garbage
+    collection alone leaves them resident (the heap keeps them)."""
+    import gc
+    import re
+
+    def rss_mb() -> float:
+        return int(re.search(r"VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) / 1024
+
+    def churn():  # 300 MB in 100 KB tensors (below glibc's mmap threshold: heap pages), then freed
+        ts = [torch.ones(25_000) for _ in range(3000)]
+        top = torch.ones(1000)  # allocated after them: the freed pages are not the heap's top
+        del ts
+        return top
+
+    keep = churn()
+    base = rss_mb()
+    gc.collect()
+    assert rss_mb() > base - 50  # the control: still resident after a collection
+    measure.release_freed_memory()
+    assert rss_mb() < base - 200
+    keep = churn()
+    assert measure.reset_peak_memory(torch.device("cpu"))
+    peak, _ = measure.peak_memory(torch.device("cpu"))
+    assert peak / 2**20 < base - 200
+    del keep

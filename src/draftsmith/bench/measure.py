@@ -8,6 +8,7 @@ as they come, so an interrupted run keeps what it measured.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import statistics
@@ -32,8 +33,30 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc ``malloc_trim``), after a garbage collection.
+
+    A step that ran before the bench in the same process (training, in a pipeline) leaves its
+    freed tensors' pages in the heap, still resident: without this, the peak RSS measured
+    after a reset starts from them.
+    """
+    import gc
+
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass  # not glibc (musl, ...): nothing to trim with
+
+
 def reset_peak_memory(device: torch.device) -> bool:
-    """Reset the peak RSS (Linux ``clear_refs``) and CUDA peak counters; True if RSS could be reset."""
+    """Reset the peak RSS (Linux ``clear_refs``) and CUDA peak counters; True if RSS could be reset.
+
+    Freed heap pages are released first (:func:`release_freed_memory`), so the new peak
+    starts from what is in use.
+    """
+    release_freed_memory()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
