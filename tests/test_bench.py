@@ -401,31 +401,45 @@ def test_engine_settings_are_checked(tmp_path):
                                "bench": {"engines": ["draftsmith", "vllm"]}}).gate.engine == "vllm"
 
 
+_RSS_CHILD = """
+import gc, re, sys
+from pathlib import Path
+import torch
+from draftsmith.bench import measure
+
+def rss_mb():
+    return int(re.search(r"VmRSS:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1)) / 1024
+
+def churn():  # 300 MB in 100 KB tensors (below glibc's mmap threshold: heap pages), then freed
+    ts = [torch.ones(25_000) for _ in range(3000)]
+    top = torch.ones(1000)  # allocated after them: the freed pages are not the heap's top
+    del ts
+    return top
+
+keep = churn()
+base = rss_mb()
+gc.collect()
+after_gc = rss_mb()
+measure.release_freed_memory()
+after_trim = rss_mb()
+keep = churn()
+measure.reset_peak_memory(torch.device("cpu"))
+peak = measure.peak_memory(torch.device("cpu"))[0] / 2**20
+print(base, after_gc, after_trim, peak)
+"""
+
+
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="VmRSS is read from Linux /proc")
 def test_peak_rss_reset_releases_what_an_earlier_step_freed():
     """A bench after training in one process: the pages training freed are handed back before the
     peak is reset, so the bench's peak starts from what is in use. Negative control: a garbage
-    collection alone leaves them resident (the heap keeps them)."""
-    import gc
-    import re
+    collection alone leaves them resident (the heap keeps them). In a fresh interpreter, so the
+    heap holds only what the check puts there."""
+    import subprocess
+    import sys
 
-    def rss_mb() -> float:
-        return int(re.search(r"VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) / 1024
-
-    def churn():  # 300 MB in 100 KB tensors (below glibc's mmap threshold: heap pages), then freed
-        ts = [torch.ones(25_000) for _ in range(3000)]
-        top = torch.ones(1000)  # allocated after them: the freed pages are not the heap's top
-        del ts
-        return top
-
-    keep = churn()
-    base = rss_mb()
-    gc.collect()
-    assert rss_mb() > base - 50  # the control: still resident after a collection
-    measure.release_freed_memory()
-    assert rss_mb() < base - 200
-    keep = churn()
-    assert measure.reset_peak_memory(torch.device("cpu"))
-    peak, _ = measure.peak_memory(torch.device("cpu"))
-    assert peak / 2**20 < base - 200
-    del keep
+    out = subprocess.run([sys.executable, "-c", _RSS_CHILD], capture_output=True, text=True, check=True)
+    base, after_gc, after_trim, peak = map(float, out.stdout.split())
+    assert after_gc > base - 50  # the control: still resident after a collection
+    assert after_trim < base - 200
+    assert peak < base - 200

@@ -39,6 +39,15 @@ import torch.nn.functional as F
 from draftsmith.errors import DraftsmithError
 
 
+def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask as SDPA uses it: 0 where ``keep``, -inf elsewhere, in ``dtype``.
+
+    Both values are exact in every float dtype, so passing it is bitwise passing ``keep``;
+    built once, it saves SDPA the conversion on every layer's call.
+    """
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+
+
 class KVCache:
     """Keys and values ``[1, nkv, S, hd]`` per layer, valid up to ``length``.
 
@@ -69,6 +78,7 @@ class KVCache:
         self.length = 0
         self.static = False
         self.per_query = per_query
+        self._masks: dict[tuple, torch.Tensor] = {}
 
     @property
     def nbytes(self) -> int:
@@ -146,6 +156,25 @@ class KVCache:
             return torch.cat([self._read(i, q[:, :, j:j + 1], start + j, scale) for j in range(m)], 2)
         return self._read(i, q, start, scale)
 
+    def _mask(self, start: int, end: int, lo: int, W: int | None, q: torch.Tensor) -> torch.Tensor:
+        """The additive mask ``[m, end-lo]`` of queries ``[start, end)`` over keys ``[lo, end)``.
+
+        Built once per forward and window (every layer of that kind reads the same one), and
+        additive in the queries' dtype: what SDPA turns a boolean mask into on every call.
+        """
+        key = (start, end, lo, W, q.dtype)
+        mask = self._masks.get(key)
+        if mask is None:
+            if len(self._masks) >= 8:
+                self._masks.clear()
+            qpos = torch.arange(start, end, device=q.device)[:, None]
+            kpos = torch.arange(lo, end, device=q.device)[None, :]
+            keep = kpos <= qpos
+            if W is not None:
+                keep = keep & (kpos > qpos - W)
+            mask = self._masks[key] = additive_mask(keep, q.dtype)
+        return mask
+
     def _read(self, i: int, q: torch.Tensor, start: int, scale: float) -> torch.Tensor:
         """Attention of the queries at ``[start, start+m)`` over the cached keys up to them (eager)."""
         K, V, W = self.keys[i], self.values[i], self.windows[i]
@@ -159,11 +188,7 @@ class KVCache:
             # A one-token step sees all of [lo, end) and needs no mask, but once a window is
             # full transformers passes an all-true mask, and SDPA rounds differently with one:
             # building it keeps the logits bitwise equal to transformers'.
-            qpos = torch.arange(start, end, device=q.device)[:, None]
-            kpos = torch.arange(lo, end, device=q.device)[None, :]
-            mask = kpos <= qpos
-            if W is not None:
-                mask = mask & (kpos > qpos - W)
+            mask = self._mask(start, end, lo, W, q)
             if m == 1 and q.shape[1] != K.shape[1]:
                 # transformers' masked one-token GQA: the query heads of one KV head as a
                 # sequence of rep queries, so SDPA needs no GQA support (and rounds the same).
@@ -254,7 +279,8 @@ class BatchKVCache:
                 mask = mask & (self._slots > self._qslots - window)
             # [B, 1, rep*m, T+m-lo]: the rep query heads of a KV head are queries of that head
             # (one query position: the mask row broadcasts over them)
-            self._masks[key] = mask.repeat(1, rep, 1)[:, None] if rep > 1 and mask.shape[1] > 1 else mask[:, None]
+            mask = mask.repeat(1, rep, 1)[:, None] if rep > 1 and mask.shape[1] > 1 else mask[:, None]
+            self._masks[key] = additive_mask(mask, self.keys[0].dtype)
         return self._masks[key]
 
     def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
