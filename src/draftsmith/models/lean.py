@@ -139,7 +139,7 @@ def fast_rope_matches(apply_rope: Callable, head_dims: set[int], dtype: torch.dt
     """
     if len(head_dims) != 1:
         return False
-    hd = head_dims.pop()
+    hd = next(iter(head_dims))
     if hd % 2:
         return False
     g = torch.Generator().manual_seed(0)
