@@ -132,7 +132,7 @@ def rope_folded(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 
 
 def fast_rope_matches(apply_rope: Callable, head_dims: set[int], dtype: torch.dtype) -> bool:
-    """Whether :meth:`LeanDecoder._rope` computes bitwise what the model's ``apply_rope`` does.
+    """Whether :func:`rope_folded` computes bitwise what the model's ``apply_rope`` does.
 
     Probed once on random inputs: the standard rotate-half formula matches; any other
     (interleaved pairs, a partial rotary dim, a new quirk) does not, and keeps the model's own.
@@ -247,6 +247,8 @@ class LeanDecoder:
         self.rope_keys = sorted({L.rope_key for L in self.layers}, key=str)
         self.apply_rope = sys.modules[type(base.layers[0].self_attn).__module__].apply_rotary_pos_emb
         self.rope_fast = fast_rope_matches(self.apply_rope, {L.hd for L in self.layers}, self.dtype)
+        # (q [B, nh, m, hd], k [B, nkv, m, hd], cos, sin from _tables) -> rotated q, k; chosen once
+        self.rope = rope_folded if self.rope_fast else self.apply_rope
         self.num_layers = len(self.layers)
         self.hidden_size = cfg.hidden_size
         # A layer that rounds its input (W8A8 int8) needs each position's inputs bitwise as a
@@ -278,11 +280,6 @@ class LeanDecoder:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         hidden = torch.cat([saved[i] for i in aux_layer_ids], -1) if aux_layer_ids else None
         return logits, hidden
-
-    def _rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model's rope on ``q [B, nh, m, hd]`` and ``k [B, nkv, m, hd]``; ``cos``/``sin`` from :meth:`_tables`."""
-        return rope_folded(q, k, cos, sin) if self.rope_fast else self.apply_rope(q, k, cos, sin)
 
     def _tables(self, x: torch.Tensor, position_ids: torch.Tensor) -> dict:
         """Per rope key, (cos, sin) ``[B, 1, m, hd]`` (sin sign-folded for the fast rope)."""
@@ -317,7 +314,7 @@ class LeanDecoder:
             v = L.v(h).view(B, m, L.nkv, L.hd).transpose(1, 2)
             if L.q_norm is not None:
                 q, k = L.q_norm(q), L.k_norm(k)
-            q, k = self._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             a = attend(i, q, k, v, L.scale)  # [B, nh, m, hd]
             a = L.o(a.transpose(1, 2).reshape(B * m, L.nh * L.hd))
             if L.post_attn_norm is not None:
