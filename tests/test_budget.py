@@ -114,12 +114,18 @@ def test_fit_training_uses_the_time_left_and_is_stored(tmp_path):
     B.save_plan(tmp_path / "plan.json", {"k": 1}, plan)
     tokens = int(plan.num_conversations * 200)  # replies came out shorter than planned: time to spare
     fitted = B.fit_training(cfg, plan, tokens, elapsed=plan.predicted_seconds["regenerate"], out=tmp_path)
-    assert cfg.train.epochs < fitted.train.epochs <= 2 * cfg.train.epochs
     stored = json.loads((tmp_path / "plan.json").read_text())["train_fit"]
+    # training fills the time left itself (it times its own steps), capped at twice the asked epochs
+    assert fitted.train.epochs == 2 * cfg.train.epochs
+    assert cfg.train.epochs < stored["priced_epochs"] <= 2 * cfg.train.epochs
+    left = 20 * 60 / B.SAFETY - plan.predicted_seconds["regenerate"] - plan.predicted_seconds["bench"]
+    assert fitted.train.target_minutes == pytest.approx(left / 60, abs=0.01)
+    assert fitted.train.max_minutes == pytest.approx(1.15 * left / 60, abs=0.01)
     # a rerun (cached steps, no time elapsed) trains exactly the same
     again = B.fit_training(cfg, plan, tokens, elapsed=0.0, out=tmp_path)
-    assert again.train.epochs == fitted.train.epochs == stored["epochs"]
-    assert dataclasses.replace(cfg, train=again.train).train.max_minutes == stored["max_minutes"]
+    assert again.train == fitted.train
+    assert (again.train.epochs, again.train.target_minutes, again.train.max_minutes) == (
+        stored["epochs"], stored["target_minutes"], stored["max_minutes"])
 
 
 def test_regeneration_costs_discount_the_first_calls_warm_up():
@@ -218,6 +224,34 @@ def test_top_up_buys_what_short_replies_left_over_and_is_stored(tmp_path):
     # a rerun (regeneration cached: no time measured) asks for the same prompts
     assert B.top_up(cfg, plan, path, None, 0.0, tmp_path) == got
     assert json.loads((tmp_path / "plan.json").read_text())["top_up"] == got
+
+
+def test_top_up_reprices_capture_and_training_and_keeps_the_cheaper(tmp_path):
+    """The plan's capture and training prices came from a calibration that ran beside another
+    program: replies as long as planned leave no spare time at those prices, but timed again on
+    the replies just made, capture and training cost a third: the top-up buys the difference.
+    Negative control: a re-timing dearer than the calibration changes nothing (the cheaper counts)."""
+    cfg, plan = _planned(tmp_path)
+    m = round(plan.num_conversations * SLOW.kept_fraction)
+    regen = plan.predicted_seconds["regenerate"]
+    full = _regenerated(tmp_path / "full.jsonl", m, 120, 256)
+    elapsed = plan.predicted_seconds["fixed"] + regen
+    r = plan.rates
+    base = json.loads((tmp_path / "plan.json").read_text())
+
+    def fresh():
+        (tmp_path / "plan.json").write_text(json.dumps(base))
+
+    dearer = B.top_up(cfg, plan, full, regen, elapsed, tmp_path,
+                      reprice=lambda: (3 * r["capture_per_token"], 3 * r["train_per_position"]))
+    assert dearer["prompts"] == 0 and dearer["repriced"]["train_per_position"] == 3 * r["train_per_position"]
+    fresh()
+    cheaper = B.top_up(cfg, plan, full, regen, elapsed, tmp_path,
+                       reprice=lambda: (r["capture_per_token"] / 3, r["train_per_position"] / 3))
+    assert cheaper["prompts"] >= SLOW.batch_size / 2
+    assert cheaper["predicted_seconds"] <= cheaper["spare_seconds"]
+    # the stored decision is reused by a rerun without timing anything again
+    assert B.top_up(cfg, plan, full, None, 0.0, tmp_path, reprice=lambda: 1 / 0) == cheaper
 
 
 def test_top_up_is_zero_when_the_plan_held_or_ran_over(tmp_path):

@@ -321,6 +321,10 @@ def test_budgeted_run_calibrates_plans_tops_up_and_reruns_from_the_cache(setup, 
     # the replies came out short, so it asked for more prompts than this 24-prompt dataset has: it trains on 24
     assert top["prompts"] > 0 and report["data"]["prompts"] == 24
     assert stored["train_fit"]["tokens"] == report["data"]["tokens"]
+    # capture and training were timed again on the replies made; training fills the time left itself
+    assert top["repriced"]["capture_per_token"] > 0 and top["repriced"]["train_per_position"] > 0
+    assert report["config"]["train"]["target_minutes"] == stored["train_fit"]["target_minutes"] > 0
+    assert isinstance(plan["train_fits"], list)
     assert "[plan] plan for 0.5 min on this machine" in capsys.readouterr().err
     # a rerun: the stored plan, every step from the cache
     assert main(["pipeline", "run", str(cfg)]) == EXIT_GATE_FAILED

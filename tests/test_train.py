@@ -283,3 +283,84 @@ def test_extend_vocab_warm_start(tmp_path, samples):
         _cfg(tmp_path / "b", epochs=1, draft_vocab_size=100, init_from=str(base.draft_dir)))
     with pytest.raises(DraftsmithError, match="needs --init-from"):
         _cfg(tmp_path / "d", extend_vocab=True)
+
+
+class _Clock:
+    """A fake ``time`` for the training loop: each training row advances it by ``per_row()`` seconds."""
+
+    def __init__(self, per_row):
+        self.now, self.per_row = 0.0, per_row
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def _timed_train(cfg, samples, monkeypatch, per_row):
+    import types
+
+    clock = _Clock(per_row)
+    real = loop_mod.collate
+
+    def slow_collate(*a, **k):
+        clock.now += clock.per_row(clock.now)
+        return real(*a, **k)
+
+    monkeypatch.setattr(loop_mod, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(loop_mod, "collate", slow_collate)
+    res = _train(cfg, samples)
+    return res, clock.now
+
+
+def test_target_minutes_fills_the_time_from_the_loops_own_speed(tmp_path, samples, monkeypatch):
+    """2 s per step and one minute asked: 30 steps, whatever --epochs would have allowed (120 steps
+    here). A slow first step (one-time warm-up) is not timed; a speed that halves between re-fits
+    is caught at the planned end. Negative controls: without --target-minutes the loop trains its
+    20 epochs; --epochs still caps the steps."""
+    spe = len(loop_mod.pack_rows(samples, list(range(len(samples))), 64))
+    cap = 20 * spe
+    assert cap > 60
+    res, seconds = _timed_train(_cfg(tmp_path / "a", epochs=20, target_minutes=1.0), samples, monkeypatch,
+                                lambda now: 2.0)
+    assert res.steps == 30 and seconds == pytest.approx(60.0)
+    fits = res.metrics["fits"]
+    assert [f["step"] for f in fits] == [3, 15] and fits[0]["seconds_per_step"] == pytest.approx(2.0)
+    assert [f["total_steps"] for f in fits] == [30, 30]
+    lines = [json.loads(x) for x in open(Path(tmp_path / "a" / "run" / "metrics.jsonl"))]
+    assert lines[-1]["lr"] == pytest.approx(3e-3 * 0.1)  # the cosine schedule ends on the re-fitted last step
+
+    res, seconds = _timed_train(_cfg(tmp_path / "b", epochs=20, target_minutes=1.0), samples, monkeypatch,
+                                lambda now: 10.0 if now == 0 else 1.0)
+    assert res.steps == 51 and seconds == pytest.approx(60.0)  # priced at 10 s per step it would stop at 6
+
+    res, seconds = _timed_train(_cfg(tmp_path / "c", epochs=20, target_minutes=1.0), samples, monkeypatch,
+                                lambda now: 2.0 if now < 20 else 1.0)
+    assert 60 <= seconds <= 61 and res.steps == 50  # 10 steps at 2 s, 40 at 1 s
+    assert [f["total_steps"] for f in res.metrics["fits"]] == [30, 41, 50]
+
+    res, seconds = _timed_train(_cfg(tmp_path / "d", epochs=20), samples, monkeypatch, lambda now: 2.0)
+    assert res.steps == cap and res.metrics["fits"] == []
+    res, _ = _timed_train(_cfg(tmp_path / "e", epochs=2, target_minutes=1.0), samples, monkeypatch,
+                          lambda now: 2.0)
+    assert res.steps == 2 * spe < 30
+
+
+def test_target_minutes_counts_the_time_before_a_resume(tmp_path, samples, monkeypatch):
+    """Interrupted after 12 steps (24 s of one minute): the resumed run re-fits only at 50%, counts the
+    24 s it already trained, and ends at the same 30 steps as an uninterrupted run."""
+    cfg = _cfg(tmp_path, epochs=20, target_minutes=1.0, checkpoint_every=4)
+    calls = {"n": 0}
+
+    def per_row(now):
+        calls["n"] += 1
+        if calls["n"] == 13:
+            raise KeyboardInterrupt
+        return 2.0
+
+    with pytest.raises(KeyboardInterrupt):
+        _timed_train(cfg, samples, monkeypatch, per_row)
+    state = torch.load(sorted((Path(cfg.out) / "checkpoints").glob("step-*.pt"))[-1], weights_only=False)
+    assert state["step"] == 12 and state["seconds"] == pytest.approx(24.0)
+    assert state["scheduler"]["lr_lambdas"][0]["total"] == 30  # the re-fitted schedule is in the checkpoint
+    res, seconds = _timed_train(cfg, samples, monkeypatch, lambda now: 2.0)
+    assert res.steps == 30 and seconds == pytest.approx(36.0)
+    assert [f["step"] for f in res.metrics["fits"]] == [15]

@@ -250,6 +250,49 @@ def kept_prompts(lengths: list[int], limit: int | None) -> tuple[float, float]:
     return len(kept) / len(lengths), sum(kept) / len(kept)
 
 
+def capture_and_train_prices(vd: Any, v: Any, replied: list[Any], data: Any, train: Any,
+                             work: Path) -> tuple[float, float]:
+    """Seconds per captured position (padding included) and per trained position, timed on ``replied``.
+
+    The capture runs one batch first: a first forward pays one-time costs (measured: capture priced
+    3.6x too dear, 188 s planned against 52 s taken, float32 without AMX), which the run's capture
+    pays only once. It is priced per position the forwards ran, padding included: the 16
+    calibration prompts (20 to 512 tokens) pad their batches far more than a run's hundreds sorted
+    by length do; per real token, capture was priced 2.8x (AVX2 limits) to 4x (AMX) too dear
+    (BENCHMARKS.md 9b). Training runs :data:`TRAIN_STEPS` steps and the median after the first
+    :data:`TRAIN_WARMUP_STEPS` counts: the first steps pay one-time costs (allocator, kernel
+    selection), which priced training 2x too dear in a 10-minute run.
+    """
+    import shutil
+
+    from draftsmith.data.capture import capture_samples, padded_tokens, resolve_aux_layer_ids
+    from draftsmith.train.loop import TrainConfig
+    from draftsmith.train.loop import train as run_train
+
+    model, tok = vd.model, vd.tokenizer
+    list(capture_samples(model, tok, replied[:data.capture_batch_size], max_length=data.max_length,
+                         batch_size=data.capture_batch_size))
+    t0 = time.perf_counter()
+    samples = list(capture_samples(model, tok, replied, max_length=data.max_length,
+                                   batch_size=data.capture_batch_size))
+    seconds = time.perf_counter() - t0
+    captured = sum(len(s["input_ids"]) for s in samples)
+    capture_per_token = seconds / max(padded_tokens([len(s["input_ids"]) for s in samples],
+                                                    data.capture_batch_size), 1)
+    out = Path(work) / "train"
+    shutil.rmtree(out, ignore_errors=True)
+    pack = min(train.pack_tokens, max(64, captured // 4))
+    cfg = TrainConfig(verifier=v.spec, out=str(out), draft_vocab_size=train.draft_vocab_size, pack_tokens=pack,
+                      ttt_steps=train.ttt_steps, precision=train.precision, val_fraction=0.0, eval_every=10**6,
+                      checkpoint_every=10**6, max_steps=TRAIN_STEPS, epochs=100.0, device=v.device)
+    run_train(cfg, samples=samples, verifier=v.model, fingerprint="calibration",
+              aux_layer_ids=resolve_aux_layer_ids(model), progress=False)
+    rates = [json.loads(line).get("tokens_per_s") for line in complete_lines(out / "metrics.jsonl", cut=False)
+             if line.strip()]
+    steady = [r for r in rates[TRAIN_WARMUP_STEPS:] if r] or [r for r in rates if r]
+    return capture_per_token, 1.0 / (sorted(steady)[len(steady) // 2])
+
+
 def calibrate(vd: Any, v: Any, data: Any, train: Any, bench: Any, work: Path, progress: bool = False) -> Rates:
     """Time every step on a few real inputs (the first seconds of a budgeted run).
 
@@ -264,13 +307,10 @@ def calibrate(vd: Any, v: Any, data: Any, train: Any, bench: Any, work: Path, pr
     Returns:
         The measured :class:`Rates`; ``load_seconds`` includes the calibration itself.
     """
-    from draftsmith.data.capture import capture_samples, padded_tokens, resolve_aux_layer_ids
     from draftsmith.data.chat import encode_chat
     from draftsmith.data.regenerate import load_regenerated, prompt_limit, regenerate
     from draftsmith.data.sources import eval_set, load_prompts
     from draftsmith.decoding.engine import generate
-    from draftsmith.train.loop import TrainConfig
-    from draftsmith.train.loop import train as run_train
 
     t_start = time.perf_counter()
     work = Path(work)
@@ -297,37 +337,7 @@ def calibrate(vd: Any, v: Any, data: Any, train: Any, bench: Any, work: Path, pr
     kept_fraction, prompt_tokens = kept_prompts(
         [len(encode_chat(tok, c.prompt_messages(), add_generation_prompt=True)) for c in sample], limit)
 
-    # One batch first: a first forward pays one-time costs (measured: capture priced 3.6x too dear,
-    # 188 s planned against 52 s taken, float32 without AMX), which the run's capture pays only once.
-    list(capture_samples(model, tok, replied[:data.capture_batch_size], max_length=data.max_length,
-                         batch_size=data.capture_batch_size))
-    t0 = time.perf_counter()
-    samples = list(capture_samples(model, tok, replied, max_length=data.max_length,
-                                   batch_size=data.capture_batch_size))
-    seconds = time.perf_counter() - t0
-    captured = sum(len(s["input_ids"]) for s in samples)
-    # Priced per position the forwards ran, padding included: the 16 calibration prompts (20 to
-    # 512 tokens) pad their batches far more than a run's hundreds sorted by length do; per real
-    # token, capture was priced 2.8x (AVX2 limits) to 4x (AMX) too dear (BENCHMARKS.md 9b).
-    capture_per_token = seconds / max(padded_tokens([len(s["input_ids"]) for s in samples],
-                                                    data.capture_batch_size), 1)
-
-    out = work / "train"
-    import shutil
-
-    shutil.rmtree(out, ignore_errors=True)
-    pack = min(train.pack_tokens, max(64, captured // 4))
-    cfg = TrainConfig(verifier=v.spec, out=str(out), draft_vocab_size=train.draft_vocab_size, pack_tokens=pack,
-                      ttt_steps=train.ttt_steps, precision=train.precision, val_fraction=0.0, eval_every=10**6,
-                      checkpoint_every=10**6, max_steps=TRAIN_STEPS, epochs=100.0, device=v.device)
-    run_train(cfg, samples=samples, verifier=v.model, fingerprint="calibration",
-              aux_layer_ids=resolve_aux_layer_ids(model), progress=False)
-    rates = [json.loads(line).get("tokens_per_s") for line in complete_lines(out / "metrics.jsonl", cut=False)
-             if line.strip()]
-    # the first steps also pay one-time costs (allocator, kernel selection): they priced training
-    # 2x too dear in a 10-minute run, whose training then ended in a quarter of its share
-    steady = [r for r in rates[TRAIN_WARMUP_STEPS:] if r] or [r for r in rates if r]
-    train_per_position = 1.0 / (sorted(steady)[len(steady) // 2])
+    capture_per_token, train_per_position = capture_and_train_prices(vd, v, replied, data, train, work)
 
     (_, prompt), = eval_set(bench.dataset, v.tokenizer, limit=1)
     generate(v.model, prompt, max_new_tokens=4)  # warm-up
@@ -401,7 +411,7 @@ def regenerated_tokens(path: Path) -> tuple[int, int]:
 
 
 def top_up(cfg: Any, plan: Plan, regenerated: Path, regen_seconds: float | None, elapsed: float,
-           out: Path) -> dict[str, Any]:
+           out: Path, reprice: Callable[[], tuple[float, float]] | None = None) -> dict[str, Any]:
     """After regeneration: how many more prompts to regenerate when it came in under its plan.
 
     A plan prices replies at their longest (``max_new_tokens``) and buys whole batches,
@@ -412,6 +422,13 @@ def top_up(cfg: Any, plan: Plan, regenerated: Path, regen_seconds: float | None,
     capturing and training what is there at the planned epochs, buys more conversations
     at this run's measured regeneration cost per conversation plus their capture and
     training. Fewer than half a batch are not worth a batch's fixed costs (returns 0).
+
+    ``reprice()`` times capture and training again on the replies just made (seconds per
+    position of each, :func:`capture_and_train_prices`), and the cheaper of the two
+    measurements counts: a busy machine only ever makes a measurement slower, and a
+    calibration run beside another program priced capture 5.6x and training 2.9x too dear,
+    so the top-up bought 80 prompts where some 400 would have fit (BENCHMARKS.md 9b). Its
+    time counts against the budget like any step's.
 
     The decision is stored in the plan file (``top_up``) before any work, so a rerun
     asks for the same prompts and hits the step cache. ``regen_seconds`` None (the
@@ -431,7 +448,15 @@ def top_up(cfg: Any, plan: Plan, regenerated: Path, regen_seconds: float | None,
     decision: dict[str, Any] = {"prompts": 0, "conversations": convs, "tokens": tokens}
     if regen_seconds and convs and getattr(cfg.data, "dataset", None) != "self":
         r = plan.rates
-        per_token = r["capture_per_token"] + (1 - cfg.train.val_fraction) * cfg.train.epochs * r["train_per_position"]
+        capture_price, train_price = r["capture_per_token"], r["train_per_position"]
+        if reprice is not None:
+            t0 = time.perf_counter()
+            again = reprice()
+            elapsed += time.perf_counter() - t0
+            capture_price, train_price = min(capture_price, again[0]), min(train_price, again[1])
+            decision.update(repriced={"capture_per_token": again[0], "train_per_position": again[1],
+                                      "seconds": round(time.perf_counter() - t0, 1)})
+        per_token = capture_price + (1 - cfg.train.val_fraction) * cfg.train.epochs * train_price
         left = plan.budget_minutes * 60 / SAFETY - elapsed - plan.predicted_seconds["bench"]
         spare = left - tokens * per_token
         per_conv = regen_seconds / convs + tokens / convs * per_token
@@ -450,11 +475,13 @@ def top_up(cfg: Any, plan: Plan, regenerated: Path, regen_seconds: float | None,
 def fit_training(cfg: Any, plan: Plan, tokens: int, elapsed: float, out: Path) -> Any:
     """After the data steps: give training the time the budget has left (before the bench).
 
-    Replies are planned at their longest, so the data usually comes out smaller than
-    planned and training has time to spare; the epochs grow to use it (at most twice
-    the asked epochs: more passes over few replies overfit), and shrink when the data
-    steps ran long. The result is stored in the plan file, so a rerun (whose cached
-    steps take no time) trains the same steps and hits the cache.
+    Training gets that time as ``target_minutes``: it times its own steps and sets its step
+    count to fill it (:class:`~draftsmith.train.loop.TimeFit`), so a calibration that priced
+    training too dear (a busy machine while it ran: BENCHMARKS.md 9b) no longer ends the run
+    early. The epochs are its cap, twice the asked ones (more passes over few replies
+    overfit); ``priced_epochs`` is what the calibration's price predicts. The result is stored
+    in the plan file, so a rerun (whose cached steps take no time) trains with the same
+    settings and hits the cache.
     """
     import dataclasses
 
@@ -463,18 +490,19 @@ def fit_training(cfg: Any, plan: Plan, tokens: int, elapsed: float, out: Path) -
     fit = raw.get("train_fit")
     if fit is None:
         positions = max(tokens * (1 - cfg.train.val_fraction), 1.0)
-        left = plan.budget_minutes * 60 / SAFETY - elapsed - plan.predicted_seconds["bench"]
-        per_epoch = positions * plan.rates["train_per_position"]
-        epochs = min(max(left / per_epoch, 0.25 * cfg.train.epochs), 2 * cfg.train.epochs)
-        fit = {"epochs": round(epochs, 3), "max_minutes": round(max(left, 30.0) / 60 * 1.15, 2),
+        left = max(plan.budget_minutes * 60 / SAFETY - elapsed - plan.predicted_seconds["bench"], 30.0)
+        priced = min(max(left / (positions * plan.rates["train_per_position"]), 0.25 * cfg.train.epochs),
+                     2 * cfg.train.epochs)
+        fit = {"epochs": 2 * cfg.train.epochs, "priced_epochs": round(priced, 3),
+               "target_minutes": round(left / 60, 2), "max_minutes": round(left / 60 * 1.15, 2),
                "seconds_left": left, "tokens": tokens}
         if raw:
             raw["train_fit"] = fit
             from draftsmith.utils import atomic_write_json
 
             atomic_write_json(path, raw)
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, epochs=fit["epochs"],
-                                                              max_minutes=fit["max_minutes"]))
+    return dataclasses.replace(cfg, train=dataclasses.replace(
+        cfg.train, epochs=fit["epochs"], max_minutes=fit["max_minutes"], target_minutes=fit.get("target_minutes")))
 
 
 def extrapolate(metrics_path: Path, factors: tuple[float, ...] = (2.0, 4.0)) -> dict[str, Any] | None:

@@ -89,8 +89,14 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
     if plan is not None:
         def top_up(r: dict[str, Any]) -> int:
             timing = cache.timings.get("regenerate", {})
+            def reprice() -> tuple[float, float]:
+                from draftsmith.data.regenerate import load_regenerated
+
+                replied = load_regenerated(Path(r["path"]))[:cfg.data.capture_batch_size]
+                return budget.capture_and_train_prices(vd, v, replied, cfg.data, cfg.train, out / "calibration")
+
             decision = budget.top_up(cfg, plan, Path(r["path"]), None if timing.get("cached") else
-                                     timing.get("seconds"), spent(), out)
+                                     timing.get("seconds"), spent(), out, reprice)
             report["top_up"] = decision
             if decision["prompts"]:
                 cache.estimates["topup_regenerate"] = decision["predicted_seconds"]
@@ -152,7 +158,7 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
                 actual[name] = cache.timings[name]["seconds"]
         curve = budget.extrapolate(Path(cache.timings["train"]["dir"]) / "train" / "metrics.jsonl")
         report["plan"] = {**dataclasses.asdict(plan), "actual_seconds": actual, "top_up": report.pop("top_up", None),
-                          "train_cut": t["summary"].get("cut"),
+                          "train_cut": t["summary"].get("cut"), "train_fits": t["summary"].get("fits"),
                           "learning_curve": curve, "bigger_budget": budget.bigger_budget_line(curve, cfg.budget)}
     if drift is not None:
         report["after"] = b["summary"]

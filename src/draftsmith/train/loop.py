@@ -45,6 +45,9 @@ class TrainSettings:
     max_steps: int | None = opt(None, "stop after this many optimizer steps")
     max_minutes: float | None = opt(None, "stop after this many minutes of training (a checkpoint and the best "
                                           "draft so far are kept; the result says the run was cut)")
+    target_minutes: float | None = opt(None, "size training to about this many minutes: it times its own steps "
+                                       "(at 10%% and 50%% of them) and sets its step count and LR schedule to "
+                                       "fill them; --epochs is then the most it trains")
     lr: float = opt(1e-3, "peak learning rate (AdamW)")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     warmup_ratio: float = opt(0.05, "fraction of steps spent warming up linearly")
@@ -78,6 +81,7 @@ class TrainSettings:
                   "--grad-clip": self.grad_clip > 0,
                   "--max-steps": self.max_steps is None or self.max_steps >= 1,
                   "--max-minutes": self.max_minutes is None or self.max_minutes > 0,
+                  "--target-minutes": self.target_minutes is None or self.target_minutes > 0,
                   "--draft-intermediate-size": self.draft_intermediate_size is None
                   or self.draft_intermediate_size >= 1}
         bad = [k for k, ok in checks.items() if not ok]
@@ -297,13 +301,69 @@ def simulated_acceptance(step_logits: list[torch.Tensor], batch: PackedBatch,
     return accepted, full.sum().cpu()
 
 
-def _lr_lambda(total: int, warmup: int, min_ratio: float):
-    def f(step: int) -> float:
+@dataclass
+class Schedule:
+    """Linear warm-up over ``warmup_ratio`` of ``total`` steps, then cosine decay to ``min_ratio``.
+
+    A callable object, not a closure: LambdaLR saves its attributes in the checkpoint, so a
+    ``total`` re-fitted while training (:class:`TimeFit`) survives a resume.
+    """
+
+    total: int
+    warmup_ratio: float
+    min_ratio: float
+
+    def __call__(self, step: int) -> float:
+        warmup = max(1, int(self.warmup_ratio * self.total))
         if step < warmup:
             return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return f
+        progress = min(1.0, (step - warmup) / max(1, self.total - warmup))
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+#: fractions of ``--target-minutes`` at which training re-times itself, and the share of the time
+#: that may be left when it reaches its planned steps before it re-times once more
+REFIT_AT = (0.1, 0.5)
+END_SLACK = 0.1
+
+
+class TimeFit:
+    """``--target-minutes``: the step count re-fitted from the loop's own speed.
+
+    The steps since the last re-fit are timed (the speed now; the first step of an attempt pays
+    one-time warm-up and is not timed). Re-fits at :data:`REFIT_AT` of the time, and once more
+    when the planned steps are done with more than :data:`END_SLACK` of it left and ``cap`` not
+    reached (the schedule then restarts its decay from where the longer run would be). A resumed
+    run counts ``earlier_seconds`` and skips the re-fits already past.
+    """
+
+    def __init__(self, minutes: float, cap: int, earlier_seconds: float = 0.0) -> None:
+        self.target, self.cap = 60.0 * minutes, cap
+        self.marks = [f for f in REFIT_AT if earlier_seconds < f * self.target]
+        self.t: float | None = None  # when the timed steps began, and the step count then
+        self.step = 0
+        self.fits: list[dict[str, Any]] = []
+
+    def due(self, now: float, elapsed: float, step: int, total: int) -> bool:
+        if self.t is None:
+            self.t, self.step = now, step
+            return False
+        if step <= self.step:
+            return False
+        if self.marks and elapsed >= self.marks[0] * self.target:
+            return True
+        return step >= total and total < self.cap and elapsed < (1 - END_SLACK) * self.target
+
+    def refit(self, now: float, step: int, elapsed: float, timed: float) -> int:
+        """The new step count: what fills the time left at the timed speed, at most ``cap``, at least ``step``."""
+        per_step = timed / max(step - self.step, 1)
+        total = max(step, min(self.cap, step + int(max(self.target - elapsed, 0.0) / max(per_step, 1e-9))))
+        self.fits.append({"step": step, "seconds": round(elapsed, 1), "seconds_per_step": round(per_step, 4),
+                          "total_steps": total})
+        while self.marks and elapsed >= self.marks[0] * self.target:
+            self.marks.pop(0)
+        self.t, self.step = now, step
+        return total
 
 
 def _split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -418,18 +478,18 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
     if steps_per_epoch == 0:
         raise DraftsmithError(f"{len(rows0)} packed rows cannot fill one optimizer step of {per_step} rows; "
                               "lower --grad-accum / --pack-tokens or add data")
-    total_steps = max(1, int(cfg.epochs * steps_per_epoch))
+    cap_steps = max(1, int(cfg.epochs * steps_per_epoch))
     if cfg.max_steps:
-        total_steps = min(total_steps, cfg.max_steps)
-    warmup = max(1, int(cfg.warmup_ratio * total_steps))
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, _lr_lambda(total_steps, warmup, cfg.min_lr_ratio))
+        cap_steps = min(cap_steps, cfg.max_steps)
+    schedule = Schedule(cap_steps, cfg.warmup_ratio, cfg.min_lr_ratio)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, schedule)
     val_rows = pack_rows(samples, val_idx, cfg.pack_tokens)
     weights = [cfg.step_weight ** j for j in range(cfg.ttt_steps)]
 
     # resume
     ckpt_dir = out / "checkpoints"
     chash = _config_hash(cfg)
-    step, best = 0, -1.0
+    step, best, earlier_seconds = 0, -1.0, 0.0
     latest = ckpt_dir / "latest.json"
     if latest.is_file():
         info = json.loads(latest.read_text())
@@ -441,13 +501,14 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
         optim.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         step, best = state["step"], state["best"]
+        earlier_seconds = float(state.get("seconds", 0.0))  # training time of the attempts before this one
         log.info("resumed from %s at step %d", info["file"], step)
     if dist.main:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(out / "train_config.json", {
             "config": to_dict(cfg), "config_hash": chash, "verifier_fingerprint": fingerprint,
             "num_samples": len(samples), "train_samples": len(train_idx), "val_samples": len(val_idx),
-            "vocab_coverage": vocab_cov, "total_steps": total_steps, "world_size": dist.world,
+            "vocab_coverage": vocab_cov, "total_steps": schedule.total, "world_size": dist.world,
             "precision": "bf16" if bf16 else "fp32", "environment": environment_info(),
             "command": command_line()})
 
@@ -481,7 +542,8 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
 
         buf = io.BytesIO()
         torch.save({"model": draft.state_dict(), "optimizer": optim.state_dict(),
-                    "scheduler": sched.state_dict(), "step": step, "best": best}, buf)
+                    "scheduler": sched.state_dict(), "step": step, "best": best,
+                    "seconds": time.perf_counter() - t_start}, buf)
         atomic_write_bytes(ckpt_dir / name, buf.getvalue())
         atomic_write_json(latest, {"file": name, "step": step, "config_hash": chash})
         for old in sorted(ckpt_dir.glob("step-*.pt"))[:-2]:
@@ -496,21 +558,22 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
 
     metrics_f = open(out / "metrics.jsonl", "a") if dist.main else None
     draft.train()
-    bar = progress_bar(total_steps, "train", "step", progress and dist.main, initial=step)
-    t_start = time.perf_counter()
+    bar = progress_bar(schedule.total, "train", "step", progress and dist.main, initial=step)
+    t_start = time.perf_counter() - earlier_seconds  # resumed: the earlier attempts' time counts
+    fit = TimeFit(cfg.target_minutes, cap_steps, earlier_seconds) if cfg.target_minutes else None
     tokens_seen = 0
     mean_ctx = cfg.pack_tokens / 4
     flops_tok = train_flops_per_token(draft.config, cfg.ttt_steps, mean_ctx, cfg.train_lm_head)
     last_metrics: dict[str, Any] = {}
-    cut: dict[str, Any] | None = None  # set when --max-minutes stops the run before total_steps
+    cut: dict[str, Any] | None = None  # set when --max-minutes stops the run before its planned steps
     try:
-        while step < total_steps and cut is None:
+        while step < schedule.total and cut is None:
             epoch, in_epoch = divmod(step, steps_per_epoch)
             g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
             order = [train_idx[i] for i in torch.randperm(len(train_idx), generator=g).tolist()]
             rows = pack_rows(samples, order, cfg.pack_tokens)[: steps_per_epoch * per_step]
             for s in range(in_epoch, steps_per_epoch):
-                if step >= total_steps:
+                if step >= schedule.total:
                     break
                 t0 = time.perf_counter()
                 mine = rows[s * per_step:(s + 1) * per_step][dist.rank::dist.world]
@@ -539,16 +602,26 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
                 ntok_all = sums[-1]
                 tokens_seen += ntok_all
                 dt = time.perf_counter() - t0
+                if fit is not None:
+                    now = time.perf_counter()
+                    if dist.all_sum([float(dist.main and fit.due(now, now - t_start, step, schedule.total))])[0]:
+                        # every rank re-fits from rank 0's clock, so that they agree on the step count
+                        elapsed, timed = dist.all_sum([now - t_start, now - fit.t] if dist.main else [0.0, 0.0])
+                        schedule.total = fit.refit(now, step, elapsed, timed)
+                        bar.total = schedule.total
+                        bar.refresh()
                 per_step_loss = [sums[3 * j] / max(1, sums[3 * j + 2]) for j in range(cfg.ttt_steps)]
                 per_step_acc = [sums[3 * j + 1] / max(1, sums[3 * j + 2]) for j in range(cfg.ttt_steps)]
                 rec = {"step": step, "epoch": epoch, "lr": sched.get_last_lr()[0]}
+                if fit is not None and fit.fits and fit.fits[-1]["step"] == step:
+                    rec["refit"] = fit.fits[-1]
                 if ntok_all:
                     rec.update({"loss": sum(w * x for w, x in zip(weights, per_step_loss)),
                                 "step_loss": per_step_loss, "step_acc": per_step_acc, "grad_norm": float(gnorm),
                                 "tokens_per_s": ntok_all / dt, "flops_per_s": flops_tok * ntok_all / dt})
                 else:  # a shuffled epoch can pack into fewer rows than the first: its last steps are empty
                     rec["empty"] = True
-                if step % cfg.eval_every == 0 or step == total_steps:
+                if step % cfg.eval_every == 0 or step == schedule.total:
                     rec.update(evaluate())
                     if rec["val_acceptance_length"] > best:
                         best = rec["val_acceptance_length"]
@@ -564,10 +637,10 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
                                     tok_s=f"{rec['tokens_per_s']:.0f}",
                                     **({"val_al": f"{rec['val_acceptance_length']:.2f}"}
                                        if "val_acceptance_length" in rec else {}))
-                if cfg.max_minutes is not None and step < total_steps and dist.all_sum(
+                if cfg.max_minutes is not None and step < schedule.total and dist.all_sum(
                         [float(time.perf_counter() - t_start > 60 * cfg.max_minutes)])[0] > 0:
                     cut = {"reason": f"--max-minutes {cfg.max_minutes:g} reached", "step": step,
-                           "planned_steps": total_steps}
+                           "planned_steps": schedule.total}
                     if "val_acceptance_length" not in rec and val_rows:  # the best draft so far, measured now
                         rec.update(evaluate())
                         if rec["val_acceptance_length"] > best:
@@ -576,7 +649,7 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
                         last_metrics.update(rec)
                     save_checkpoint()
                     break
-                if step % cfg.checkpoint_every == 0 or step == total_steps:
+                if step % cfg.checkpoint_every == 0 or step == schedule.total:
                     save_checkpoint()
     except KeyboardInterrupt:
         save_checkpoint()  # nothing lost: the next run resumes here
@@ -590,8 +663,8 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
     dist.barrier()
     seconds = time.perf_counter() - t_start
     summary = {**last_metrics, "train_seconds": seconds, "tokens_seen": tokens_seen,
-               "vocab_coverage": vocab_cov, "best_val_acceptance_length": best, "total_steps": total_steps,
-               "cut": cut}
+               "vocab_coverage": vocab_cov, "best_val_acceptance_length": best, "total_steps": schedule.total,
+               "cut": cut, "fits": fit.fits if fit else [], "cap_steps": cap_steps}
     if dist.main:
         atomic_write_json(out / "train_summary.json", summary)
     return TrainResult(out / "draft", best, step, seconds, summary, draft)
