@@ -1,6 +1,6 @@
 """Lean engine benchmark (issue 20): the engine's own costs, side by side in one run.
 
-Measurable with any draft, even an untrained one. Four sections, each interleaving
+Measurable with any draft, even an untrained one. Five sections, each interleaving
 what it compares (the order rotates), on one verifier (SmolLM2-135M float32 by default):
 
 1. ``plain``: our plain loop against ``transformers.generate`` on MT-Bench first
@@ -16,6 +16,8 @@ what it compares (the order rotates), on one verifier (SmolLM2-135M float32 by d
 4. ``rss``: peak RSS of a child process that decodes to ``--rss-context`` tokens of
    context, plainly and with an EAGLE-3 draft, lean vs hf-dynamic (and, with
    ``--baseline-src``, an older checkout's engine). Target: lean <= 1.10x the old engine.
+5. ``layout`` (not in the default set): verify steps of 1..N tokens with the verifier's weights
+   as loaded and held ``[in, out]`` (``--weight-layout``), alternating per pass.
 
 Timings on a shared machine are noise-bound; compare ratios within one run only.
 
@@ -205,6 +207,43 @@ def section_context(args, model, out: dict) -> None:
                       "target_within_10pct": ratio.get("lean") is not None and ratio["lean"] <= 1.10}
 
 
+def section_layout(args, model, out: dict) -> None:
+    """Verify steps of M = 1..``--layout-rows`` tokens at ``--layout-context`` cached tokens, with the
+    verifier's Linear weights as loaded (out-in) and held [in, out] (``weights_in_out``), the two
+    layouts alternating per pass (each pass re-lays the weights and builds its runners)."""
+    from draftsmith.decoding.runner import verifier_runner
+    from draftsmith.models.verifier import weights_in_out
+
+    device = next(model.parameters()).device
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    C = args.layout_context
+    ctx = torch.randint(2, V, (C,), generator=g).to(device)
+    rows = list(range(1, args.layout_rows + 1))
+    toks = {m: torch.randint(2, V, (m,), generator=g).to(device) for m in rows}
+    times: dict[tuple[str, int], list[float]] = {(lay, m): [] for lay in ("out-in", "in-out") for m in rows}
+    with torch.inference_mode():
+        for rep in range(args.layout_passes):
+            order = ["out-in", "in-out"] if rep % 2 == 0 else ["in-out", "out-in"]
+            for lay in order:
+                with weights_in_out(model, lay == "in-out"):
+                    r = verifier_runner(model, C + 16, mode="auto", role="layout")
+                    r.forward(ctx, 1)
+                    for i in range(args.step_repeats // args.layout_passes + 2):  # 2 warm-up rounds
+                        for m in rows[i % len(rows):] + rows[:i % len(rows)]:
+                            sync(device)
+                            t0 = time.perf_counter()
+                            r.forward(toks[m], m)
+                            sync(device)
+                            if i >= 2:
+                                times[(lay, m)].append(time.perf_counter() - t0)
+                            r.rollback(C)
+    med = {lay: {m: 1e3 * statistics.median(times[(lay, m)]) for m in rows} for lay in ("out-in", "in-out")}
+    out["layout"] = {"context": C, "median_ms": med, "steps_per_point": len(times[("out-in", 1)]),
+                     "over_one_token": {lay: {m: med[lay][m] / med[lay][1] for m in rows} for lay in med},
+                     "in_out_over_out_in": {m: med["in-out"][m] / med["out-in"][m] for m in rows}}
+
+
 # ----------------------------------------------------------------------------------------- 3. draft step
 def old_draft_step(draft, input_ids, hidden, position_ids, cache: list) -> tuple[torch.Tensor, torch.Tensor]:
     """The draft step before issue 20, for reference: the cache grows by concatenation and
@@ -372,8 +411,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--layout-context", type=int, default=256, help="cached positions in the layout section")
+    ap.add_argument("--layout-rows", type=int, default=6, help="verify steps of 1..N tokens (layout section)")
+    ap.add_argument("--layout-passes", type=int, default=4, help="alternations of the two layouts (layout)")
     ap.add_argument("--sections", nargs="+", default=["plain", "context", "draft", "rss"],
-                    choices=["plain", "context", "draft", "rss"])
+                    choices=["plain", "context", "draft", "rss", "layout"])
     ap.add_argument("--num-prompts", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2, help="timed passes over the prompts (section plain)")
@@ -412,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         section_context(args, model, out)
     if "draft" in args.sections:
         section_draft(args, model, out)
+    if "layout" in args.sections:
+        section_layout(args, model, out)
     if "rss" in args.sections:
         section_rss(args, out)
     out["seconds"] = time.time() - t0
@@ -447,6 +491,14 @@ def report(out: dict) -> None:
         print("  draft / verifier step: " + "  ".join(f"{k}: {100 * v:.1f}%" for k, v in d["draft_over_verifier"].items()))
         print("  its share of the weights a verifier step reads (the floor): "
               + "  ".join(f"{k}: {100 * v:.1f}%" for k, v in d["weight_share"].items()))
+    if "layout" in out:
+        lay = out["layout"]
+        print(f"[layout] verify step at {lay['context']} cached, ms (x one-token step), "
+              f"{lay['steps_per_point']} steps per point:")
+        for name, curve in lay["median_ms"].items():
+            print(f"  {name:7s} " + "  ".join(f"M={m}: {ms:.1f} ({lay['over_one_token'][name][m]:.2f}x)"
+                                           for m, ms in curve.items()))
+        print("  in-out / out-in: " + "  ".join(f"M={m}: {v:.3f}" for m, v in lay["in_out_over_out_in"].items()))
     if "rss" in out:
         r = out["rss"]
         for k, v in r.items():

@@ -197,6 +197,9 @@ def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
     assert {"best_k", "predicted", "measured", "held_back_by", "factors"} <= set(wrong)
     assert wrong["measured"].keys() == {"2", "3"}
     assert report["costs"]["t1_seconds"] > 0 and len(report["costs"]["t_verify_seconds"]) == 9
+    # float32 on CPU: measured with the weights held [in, out], and put back as loaded after
+    assert report["provenance"]["weight_layout"] == "in-out"
+    assert all(p.is_contiguous() for p in tiny.parameters())
     md = (tmp_path / "report.md").read_text()
     assert len(md.splitlines()) <= 40 and "| plain (ours) |" in md and "held back by" in md
     for plot in bench_report.PLOTS:
@@ -248,6 +251,8 @@ def test_config_validation_names_the_flag(tmp_path):
     with pytest.raises(DraftsmithError, match="--draft"):
         _cfg(tmp_path, draft=[str(tmp_path / "nope")])
     assert _cfg(tmp_path, num_draft_tokens=[5, 2, 5]).num_draft_tokens == [2, 5]
+    with pytest.raises(DraftsmithError, match="--weight-layout"):
+        _cfg(tmp_path, weight_layout="columns")
 
 
 def test_cli_repeatable_drafter_and_k_list(tmp_path):

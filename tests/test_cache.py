@@ -114,6 +114,53 @@ def test_lean_steps_bitwise_equal_transformers(arch):
             assert torch.equal(got, ref), (arch, a, b)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_weights_in_out_keep_lean_bitwise_transformers_and_are_put_back(arch):
+    """--weight-layout in-out: inside the block every Linear weight is stored [in, out] (a tied one
+    once), the lean forward built there stays bitwise the transformers forward there, the logits
+    stay within rounding of the loaded layout's, and the weights come back bitwise as loaded."""
+    from transformers import DynamicCache
+
+    from draftsmith.models.verifier import _plain_linear_weights, weights_in_out
+
+    model = tiny_model(arch)
+    if arch == "llama":  # tied embeddings, as SmolLM2's: the one weight is re-laid once, read by both
+        model.lm_head.weight = model.model.embed_tokens.weight
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = _ids(20)
+    with torch.inference_mode():
+        loaded = model(ids[None]).logits[0]
+    weights = _plain_linear_weights(model)
+    with weights_in_out(model) as n:
+        assert n == len(weights) > 0
+        assert all(w.t().is_contiguous() and not w.is_contiguous() for w in weights)
+        dec = LeanDecoder(model)
+        with torch.inference_mode():
+            dc, cache = DynamicCache(config=model.config), dec.new_cache(24)
+            for a, b in [(0, 12), (12, 13), (13, 17), (17, 20)]:
+                ref = model(ids[None, a:b], cache=dc, use_cache=True).logits[0]
+                got, _ = dec.forward(ids[a:b], torch.arange(a, b), cache, b - a)
+                cache.advance(b - a)
+                assert torch.equal(got, ref), (arch, a, b)
+                torch.testing.assert_close(got, loaded[a:b], atol=1e-4, rtol=1e-4)
+    for name, p in model.named_parameters():
+        assert p.is_contiguous() and torch.equal(p, before[name]), name
+    with weights_in_out(model, enabled=False) as n:  # negative control: nothing moves
+        assert n == 0 and all(w.is_contiguous() for w in weights)
+
+
+def test_weight_layout_auto_is_in_out_for_float32_cpu_only():
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.models.verifier import resolve_weight_layout
+
+    model = tiny_model("llama")
+    assert resolve_weight_layout("auto", model) == "in-out"
+    assert resolve_weight_layout("out-in", model) == "out-in"
+    assert resolve_weight_layout("auto", model.to(torch.bfloat16)) == "out-in"
+    with pytest.raises(DraftsmithError, match="weight-layout"):
+        resolve_weight_layout("column", model)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_lean_uses_its_one_call_rewrites_where_they_are_the_models(arch):
     """The bitwise test above runs the folded rope on every family, and F.rms_norm for the

@@ -7,13 +7,14 @@ draftsmith writes (shards, drafts, reports) to the exact model it was made for.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -203,3 +204,58 @@ def text_config(obj: Any) -> Any:
 def context_length(model: torch.nn.Module) -> int | None:
     """The model's maximum sequence length, when its config states one."""
     return getattr(text_config(model), "max_position_embeddings", None)
+
+
+#: how a measurement holds the verifier's Linear weights in memory (``--weight-layout``)
+WEIGHT_LAYOUTS = ("auto", "out-in", "in-out")
+
+
+def resolve_weight_layout(layout: str, model: torch.nn.Module) -> str:
+    """``auto``: ``in-out`` for a float32 model on CPU (where MKL's GEMM has the 4-row cliff), else ``out-in``."""
+    if layout not in WEIGHT_LAYOUTS:
+        raise DraftsmithError(f"--weight-layout: expected one of {list(WEIGHT_LAYOUTS)}, got {layout!r}")
+    if layout != "auto":
+        return layout
+    p = next(model.parameters())
+    return "in-out" if p.device.type == "cpu" and p.dtype == torch.float32 else "out-in"
+
+
+def _plain_linear_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Each distinct plain float weight of ``model``'s ``nn.Linear`` modules (a tied one once)."""
+    seen: dict[int, torch.nn.Parameter] = {}
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear) and type(mod).forward is torch.nn.Linear.forward:
+            w = mod.weight
+            if type(w) is torch.nn.Parameter and type(w.data) is torch.Tensor and w.is_floating_point():
+                seen.setdefault(id(w), w)
+    return list(seen.values())
+
+
+@contextlib.contextmanager
+def weights_in_out(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
+    """Hold ``model``'s Linear weights transposed in memory while the block runs; put them back after.
+
+    ``F.linear(x, W)`` multiplies by ``W.t()``. Stored ``[out, in]`` as loaded, that is a
+    transposed operand, and MKL's float32 GEMM on it costs 1.45x from 3 to 4 rows: a k = 3
+    verify step costs 1.54x a one-token step (BENCHMARKS.md 13). Stored ``[in, out]`` (the same
+    values and logical shape, ``W.t().contiguous().t()``), the 4-row step of a SmolLM2 verifier's
+    GEMMs is 19% cheaper and the one-row step 5%, at 4-6% more for 2-3 rows. Every caller
+    (transformers' forward, a lean decoder built inside the block) reads the same storage, so they
+    stay bitwise equal to each other; against the loaded layout results differ by rounding, so a
+    report states the layout it measured with. A decoder built before the block keeps the old
+    storage (its ``W.t()`` views hold it).
+
+    Yields:
+        The number of weights re-laid (0 when not ``enabled``).
+    """
+    weights = _plain_linear_weights(model) if enabled else []
+    weights = [w for w in weights if w.dim() == 2 and w.is_contiguous()]
+    with torch.no_grad():
+        for w in weights:
+            w.data = w.data.t().contiguous().t()
+    try:
+        yield len(weights)
+    finally:
+        with torch.no_grad():
+            for w in weights:
+                w.data = w.data.contiguous()
