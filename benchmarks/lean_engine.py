@@ -34,6 +34,7 @@ On a GPU (bfloat16, a random 1B-shaped Llama, compiled vs eager)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -270,6 +271,7 @@ def old_draft_step(draft, input_ids, hidden, position_ids, cache: list) -> tuple
 
 def section_draft(args, model, out: dict) -> None:
     from draftsmith.decoding.proposers import Eagle3Proposer
+    from draftsmith.models.verifier import weights_in_out
     from draftsmith.decoding.runner import verifier_runner
     from draftsmith.decoding.sampling import SamplingParams
 
@@ -277,15 +279,17 @@ def section_draft(args, model, out: dict) -> None:
     V, C = model.config.vocab_size, args.draft_context
     g = torch.Generator().manual_seed(0)
     greedy = SamplingParams()
-    res: dict[str, Any] = {"context": C, "repeats": args.step_repeats}
-    with torch.inference_mode():
+    res: dict[str, Any] = {"context": C, "repeats": args.step_repeats, "weight_layout": args.weight_layout}
+    with torch.inference_mode(), contextlib.ExitStack() as held:
         verifier = verifier_runner(model, C + 8)
         ctx = torch.randint(2, V, (C,), generator=g).to(device)
         verifier.forward(ctx, 1)
         tok = torch.randint(2, V, (1,), generator=g).to(device)
         proposers = {}
         for vd in args.draft_vocab:
-            prop = Eagle3Proposer(eagle3_draft(model, min(vd, V)))
+            draft = eagle3_draft(model, min(vd, V))
+            held.enter_context(weights_in_out(draft, args.weight_layout == "in-out"))  # as the verifier's
+            prop = Eagle3Proposer(draft)
             prop.reset()
             prop.prepare(C + 8, compile=False)
             H = prop.draft.config.hidden_size
@@ -411,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--weight-layout", choices=["out-in", "in-out"], default="out-in",
+                    help="how the plain, context and draft sections hold the Linear weights (as loaded, or "
+                         "[in, out]: draftsmith bench's --weight-layout)")
     ap.add_argument("--layout-context", type=int, default=256, help="cached positions in the layout section")
     ap.add_argument("--layout-rows", type=int, default=6, help="verify steps of 1..N tokens (layout section)")
     ap.add_argument("--layout-passes", type=int, default=4, help="alternations of the two layouts (layout)")
@@ -448,12 +455,16 @@ def main(argv: list[str] | None = None) -> int:
                            "environment": environment(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                            "load_average_start": os.getloadavg()}
     t0 = time.time()
-    if "plain" in args.sections:
-        section_plain(args, model, tok, out)
-    if "context" in args.sections:
-        section_context(args, model, out)
-    if "draft" in args.sections:
-        section_draft(args, model, out)
+    from draftsmith.models.verifier import weights_in_out
+
+    out["weight_layout"] = args.weight_layout
+    with weights_in_out(model, args.weight_layout == "in-out"):  # plain, context and draft sections
+        if "plain" in args.sections:
+            section_plain(args, model, tok, out)
+        if "context" in args.sections:
+            section_context(args, model, out)
+        if "draft" in args.sections:
+            section_draft(args, model, out)
     if "layout" in args.sections:
         section_layout(args, model, out)
     if "rss" in args.sections:

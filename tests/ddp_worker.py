@@ -30,3 +30,25 @@ cfg = TrainConfig(verifier="tiny", out=str(out / "run"), draft_vocab_size=96, pa
                   device="cpu")
 res = train(cfg, samples=samples, verifier=verifier, fingerprint="tinyfp", aux_layer_ids=[1, 2, 3], progress=False)
 torch.save({k: v.clone() for k, v in res.draft.state_dict().items()}, out / f"rank{rank}.pt")
+
+# --target-minutes: each rank's (fake) clock runs at its own speed, 2 s and 5 s a step; every rank
+# follows rank 0's re-fit, or the ranks would part at a collective
+import json  # noqa: E402
+import types  # noqa: E402
+
+clock = [0.0]
+real_collate = loop_mod.collate
+
+
+def timed_collate(*a, **k):
+    clock[0] += 2.0 if rank == 0 else 5.0
+    return real_collate(*a, **k)
+
+
+loop_mod.collate = timed_collate
+loop_mod.time = types.SimpleNamespace(perf_counter=lambda: clock[0])
+timed = TrainConfig(verifier="tiny", out=str(out / "timed"), draft_vocab_size=96, pack_tokens=64, lr=3e-3,
+                    val_fraction=0.0, eval_every=1000, checkpoint_every=1000, precision="fp32", epochs=20,
+                    target_minutes=0.5, device="cpu")
+res = train(timed, samples=samples, verifier=verifier, fingerprint="tinyfp", aux_layer_ids=[1, 2, 3], progress=False)
+(out / f"timed{rank}.json").write_text(json.dumps({"steps": res.steps, "fits": res.metrics["fits"]}))

@@ -191,6 +191,9 @@ def test_torchrun_two_ranks_identical(tmp_path):
         assert torch.equal(w0[k], w1[k]), k
     # the weights moved (training happened)
     assert not torch.equal(w0["fc.weight"], torch.load(tmp_path / "init.pt")["fc.weight"])
+    # --target-minutes: 30 s at rank 0's 2 s a step is 15 steps on both ranks (rank 1's clock says 6)
+    t0, t1 = (json.loads((tmp_path / f"timed{r}.json").read_text()) for r in (0, 1))
+    assert t0 == t1 and t0["steps"] == 15 and t0["fits"][0]["seconds_per_step"] == 2.0
 
 
 def test_train_lm_head_option(tmp_path, samples):

@@ -354,9 +354,10 @@ class TimeFit:
             return True
         return step >= total and total < self.cap and elapsed < (1 - END_SLACK) * self.target
 
-    def refit(self, now: float, step: int, elapsed: float, timed: float) -> int:
-        """The new step count: what fills the time left at the timed speed, at most ``cap``, at least ``step``."""
-        per_step = timed / max(step - self.step, 1)
+    def refit(self, now: float, step: int, elapsed: float, timed: float, steps_timed: int) -> int:
+        """The new step count: what fills the time left at the speed of the ``steps_timed`` steps
+        that took ``timed`` seconds, at most ``cap``, at least ``step``."""
+        per_step = timed / max(steps_timed, 1)
         total = max(step, min(self.cap, step + int(max(self.target - elapsed, 0.0) / max(per_step, 1e-9))))
         self.fits.append({"step": step, "seconds": round(elapsed, 1), "seconds_per_step": round(per_step, 4),
                           "total_steps": total})
@@ -606,8 +607,9 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
                     now = time.perf_counter()
                     if dist.all_sum([float(dist.main and fit.due(now, now - t_start, step, schedule.total))])[0]:
                         # every rank re-fits from rank 0's clock, so that they agree on the step count
-                        elapsed, timed = dist.all_sum([now - t_start, now - fit.t] if dist.main else [0.0, 0.0])
-                        schedule.total = fit.refit(now, step, elapsed, timed)
+                        elapsed, timed, n = dist.all_sum([now - t_start, now - fit.t, step - fit.step]
+                                                         if dist.main else [0.0, 0.0, 0.0])
+                        schedule.total = fit.refit(now, step, elapsed, timed, int(n))
                         bar.total = schedule.total
                         bar.refresh()
                 per_step_loss = [sums[3 * j] / max(1, sums[3 * j + 2]) for j in range(cfg.ttt_steps)]
