@@ -176,7 +176,7 @@ class _WrongDrafter(Proposer):
 
 
 def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
-    cfg = _cfg(tmp_path, num_draft_tokens=[2, 3])
+    cfg = _cfg(tmp_path, num_draft_tokens=[2, 3], weight_layout="in-out")
     drafters = {"ngram": NgramProposer(), "perfect": DraftModelProposer(tiny), "wrong": _WrongDrafter()}
     report = benchmark(tiny, _prompts(2), drafters, cfg, tmp_path, {"verifier": "tiny", "dataset": "synthetic"})
     on_disk = json.loads((tmp_path / "report.json").read_text())
@@ -197,7 +197,7 @@ def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
     assert {"best_k", "predicted", "measured", "held_back_by", "factors"} <= set(wrong)
     assert wrong["measured"].keys() == {"2", "3"}
     assert report["costs"]["t1_seconds"] > 0 and len(report["costs"]["t_verify_seconds"]) == 9
-    # float32 on CPU: measured with the weights held [in, out], and put back as loaded after
+    # measured with the weights held [in, out] (every row still lossless, above), put back as loaded
     assert report["provenance"]["weight_layout"] == "in-out"
     assert all(p.is_contiguous() for p in tiny.parameters())
     md = (tmp_path / "report.md").read_text()
@@ -301,6 +301,7 @@ def test_bench_cli_on_smollm2(tmp_path):
     assert rc == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["provenance"]["fingerprint"] and report["rows"][1]["identical_output_rate"] == 1.0
+    assert report["provenance"]["weight_layout"] == "out-in"  # the default: the weights as loaded
 
 
 def test_monotone_fit_pools_violators():

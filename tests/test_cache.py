@@ -149,18 +149,6 @@ def test_weights_in_out_keep_lean_bitwise_transformers_and_are_put_back(arch):
         assert n == 0 and all(w.is_contiguous() for w in weights)
 
 
-def test_weight_layout_auto_is_in_out_for_float32_cpu_only():
-    from draftsmith.errors import DraftsmithError
-    from draftsmith.models.verifier import resolve_weight_layout
-
-    model = tiny_model("llama")
-    assert resolve_weight_layout("auto", model) == "in-out"
-    assert resolve_weight_layout("out-in", model) == "out-in"
-    assert resolve_weight_layout("auto", model.to(torch.bfloat16)) == "out-in"
-    with pytest.raises(DraftsmithError, match="weight-layout"):
-        resolve_weight_layout("column", model)
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_lean_uses_its_one_call_rewrites_where_they_are_the_models(arch):
     """The bitwise test above runs the folded rope on every family, and F.rms_norm for the

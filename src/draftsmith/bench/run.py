@@ -19,7 +19,7 @@ from draftsmith.drafters import DRAFTER_HELP
 from draftsmith.engines import ENGINES, OURS
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.quantize import QUANTIZATIONS
-from draftsmith.models.verifier import WEIGHT_LAYOUTS, resolve_weight_layout, weights_in_out
+from draftsmith.models.verifier import WEIGHT_LAYOUTS, weights_in_out
 
 EVAL_DATASETS = ("mt-bench", "humaneval")
 
@@ -47,10 +47,11 @@ class BenchSettings:
     engines: list[str] = opt(default_factory=lambda: [OURS],
                              help=f"where to measure the EAGLE-3 drafts, side by side: {', '.join(ENGINES)} "
                                   "(vllm and llama.cpp are started as real servers on 127.0.0.1; greedy only)")
-    weight_layout: Literal["auto", "out-in", "in-out"] = opt(
-        "auto", "how the verifier's Linear weights are held while measuring: out-in (as loaded), in-out "
-                "(transposed in memory: float32 GEMMs of 4 rows, a k=3 verify, avoid MKL's cliff; results "
-                "differ by rounding); auto: in-out for float32 on CPU")
+    weight_layout: Literal["out-in", "in-out"] = opt(
+        "out-in", "how the verifier's and drafts' Linear weights are held while measuring: out-in (as loaded) "
+                  "or in-out (transposed in memory: float32 CPU verify steps of 4+ tokens, k >= 3, avoid MKL's "
+                  "GEMM cliff, ~15% cheaper; 2 tokens ~4% dearer; results differ by rounding; the weights are "
+                  "held twice meanwhile)")
     quantize: list[str] = opt(default_factory=list,
                               help="also measure the verifier quantized, plainly and with each drafter: "
                                    + "; ".join(f"{k} ({v[1]})" for k, v in QUANTIZATIONS.items())
@@ -150,7 +151,7 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
                         Path(out_dir) / "engine-logs", cfg.threads)
     state = BenchState(rows, prompts)
     param = next(model.parameters())
-    layout = resolve_weight_layout(cfg.weight_layout, model)
+    layout = cfg.weight_layout
     provenance = {**(provenance or {}), "dtype": str(param.dtype).removeprefix("torch."), "device": str(param.device),
                   "weight_layout": layout}
     # every row decodes inside the block (the quantized rows hold their own copies, made above);
