@@ -242,16 +242,30 @@ def test_top_up_reprices_capture_and_training_and_keeps_the_cheaper(tmp_path):
     def fresh():
         (tmp_path / "plan.json").write_text(json.dumps(base))
 
-    dearer = B.top_up(cfg, plan, full, regen, elapsed, tmp_path,
-                      reprice=lambda: (3 * r["capture_per_token"], 3 * r["train_per_position"]))
+    def prices(factor, decode=1.0):
+        return lambda: {"capture_per_token": factor * r["capture_per_token"],
+                        "train_per_position": factor * r["train_per_position"],
+                        "decode_per_token": decode * r["decode_per_token"]}
+
+    dearer = B.top_up(cfg, plan, full, regen, elapsed, tmp_path, reprice=prices(3.0, 3.0))
     assert dearer["prompts"] == 0 and dearer["repriced"]["train_per_position"] == 3 * r["train_per_position"]
+    assert dearer["bench_seconds"] == pytest.approx(plan.predicted_seconds["bench"], abs=0.1)
     fresh()
-    cheaper = B.top_up(cfg, plan, full, regen, elapsed, tmp_path,
-                       reprice=lambda: (r["capture_per_token"] / 3, r["train_per_position"] / 3))
+    cheaper = B.top_up(cfg, plan, full, regen, elapsed, tmp_path, reprice=prices(1 / 3))
     assert cheaper["prompts"] >= SLOW.batch_size / 2
     assert cheaper["predicted_seconds"] <= cheaper["spare_seconds"]
     # the stored decision is reused by a rerun without timing anything again
     assert B.top_up(cfg, plan, full, None, 0.0, tmp_path, reprice=lambda: 1 / 0) == cheaper
+    # a decode re-priced at a quarter: the bench is given a quarter of its time, and the rest goes
+    # to data now and to training after (fit_training reads the re-priced bench)
+    fresh()
+    bench_cheap = B.top_up(cfg, plan, full, regen, elapsed, tmp_path, reprice=prices(1.0, 0.25))
+    assert bench_cheap["bench_seconds"] == pytest.approx(plan.predicted_seconds["bench"] / 4, abs=0.1)
+    assert bench_cheap["spare_seconds"] > 0.7 * plan.predicted_seconds["bench"]
+    fitted = B.fit_training(cfg, plan, 10_000, elapsed, tmp_path).train.target_minutes
+    fresh()
+    assert B.fit_training(cfg, plan, 10_000, elapsed, tmp_path).train.target_minutes == pytest.approx(
+        fitted - 0.75 * plan.predicted_seconds["bench"] / 60, abs=0.02)
 
 
 def test_top_up_is_zero_when_the_plan_held_or_ran_over(tmp_path):

@@ -323,6 +323,7 @@ def test_budgeted_run_calibrates_plans_tops_up_and_reruns_from_the_cache(setup, 
     assert stored["train_fit"]["tokens"] == report["data"]["tokens"]
     # capture and training were timed again on the replies made; training fills the time left itself
     assert top["repriced"]["capture_per_token"] > 0 and top["repriced"]["train_per_position"] > 0
+    assert top["repriced"]["decode_per_token"] > 0 and 0 < top["bench_seconds"] <= plan["predicted_seconds"]["bench"]
     assert report["config"]["train"]["target_minutes"] == stored["train_fit"]["target_minutes"] > 0
     assert isinstance(plan["train_fits"], list)
     assert "[plan] plan for 0.5 min on this machine" in capsys.readouterr().err

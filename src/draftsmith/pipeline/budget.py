@@ -250,6 +250,18 @@ def kept_prompts(lengths: list[int], limit: int | None) -> tuple[float, float]:
     return len(kept) / len(lengths), sum(kept) / len(kept)
 
 
+def decode_price(v: Any, bench: Any) -> float:
+    """Seconds per plain decode step of the verifier at the bench's dtype (24 steps after a warm-up)."""
+    from draftsmith.data.sources import eval_set
+    from draftsmith.decoding.engine import generate
+
+    (_, prompt), = eval_set(bench.dataset, v.tokenizer, limit=1)
+    generate(v.model, prompt, max_new_tokens=4)  # warm-up
+    t0 = time.perf_counter()
+    out = generate(v.model, prompt, max_new_tokens=24, eos_token_id=[])
+    return (time.perf_counter() - t0 - out.stats["prefill_seconds"]) / max(len(out.token_ids) - 1, 1)
+
+
 def capture_and_train_prices(vd: Any, v: Any, replied: list[Any], data: Any, train: Any,
                              work: Path) -> tuple[float, float]:
     """Seconds per captured position (padding included) and per trained position, timed on ``replied``.
@@ -309,8 +321,7 @@ def calibrate(vd: Any, v: Any, data: Any, train: Any, bench: Any, work: Path, pr
     """
     from draftsmith.data.chat import encode_chat
     from draftsmith.data.regenerate import load_regenerated, prompt_limit, regenerate
-    from draftsmith.data.sources import eval_set, load_prompts
-    from draftsmith.decoding.engine import generate
+    from draftsmith.data.sources import load_prompts
 
     t_start = time.perf_counter()
     work = Path(work)
@@ -339,12 +350,7 @@ def calibrate(vd: Any, v: Any, data: Any, train: Any, bench: Any, work: Path, pr
 
     capture_per_token, train_per_position = capture_and_train_prices(vd, v, replied, data, train, work)
 
-    (_, prompt), = eval_set(bench.dataset, v.tokenizer, limit=1)
-    generate(v.model, prompt, max_new_tokens=4)  # warm-up
-    t0 = time.perf_counter()
-    n = 24
-    out_gen = generate(v.model, prompt, max_new_tokens=n, eos_token_id=[])
-    decode = (time.perf_counter() - t0 - out_gen.stats["prefill_seconds"]) / max(len(out_gen.token_ids) - 1, 1)
+    decode = decode_price(v, bench)
     # A decode step of a whole batch costs at least one sequence's step (a floor against noise).
     if per_token < decode:
         fixed, per_token = max(short_seconds - SHORT_REPLY * decode, 0.0), decode
@@ -411,7 +417,7 @@ def regenerated_tokens(path: Path) -> tuple[int, int]:
 
 
 def top_up(cfg: Any, plan: Plan, regenerated: Path, regen_seconds: float | None, elapsed: float,
-           out: Path, reprice: Callable[[], tuple[float, float]] | None = None) -> dict[str, Any]:
+           out: Path, reprice: Callable[[], dict[str, float]] | None = None) -> dict[str, Any]:
     """After regeneration: how many more prompts to regenerate when it came in under its plan.
 
     A plan prices replies at their longest (``max_new_tokens``) and buys whole batches,
@@ -423,12 +429,15 @@ def top_up(cfg: Any, plan: Plan, regenerated: Path, regen_seconds: float | None,
     at this run's measured regeneration cost per conversation plus their capture and
     training. Fewer than half a batch are not worth a batch's fixed costs (returns 0).
 
-    ``reprice()`` times capture and training again on the replies just made (seconds per
-    position of each, :func:`capture_and_train_prices`), and the cheaper of the two
-    measurements counts: a busy machine only ever makes a measurement slower, and a
-    calibration run beside another program priced capture 5.6x and training 2.9x too dear,
-    so the top-up bought 80 prompts where some 400 would have fit (BENCHMARKS.md 9b). Its
-    time counts against the budget like any step's.
+    ``reprice()`` times capture, training and a plain decode again (``capture_per_token``,
+    ``train_per_position``, ``decode_per_token``: :func:`capture_and_train_prices` on the
+    replies just made, :func:`decode_price`), and the cheaper of each pair of measurements
+    counts: a busy machine only ever makes a measurement slower, and a calibration run beside
+    another program priced capture 5.6x and training 2.9x too dear, so the top-up bought 80
+    prompts where some 400 would have fit (BENCHMARKS.md 9b); one beside two CPU burners priced
+    the bench 4x too dear, and reserved it minutes it would not use (9g). The bench's time is
+    scaled by the decode prices' ratio (``bench_seconds``, which :func:`fit_training` reads
+    too). The re-pricing's time counts against the budget like any step's.
 
     The decision is stored in the plan file (``top_up``) before any work, so a rerun
     asks for the same prompts and hits the step cache. ``regen_seconds`` None (the
@@ -448,16 +457,19 @@ def top_up(cfg: Any, plan: Plan, regenerated: Path, regen_seconds: float | None,
     decision: dict[str, Any] = {"prompts": 0, "conversations": convs, "tokens": tokens}
     if regen_seconds and convs and getattr(cfg.data, "dataset", None) != "self":
         r = plan.rates
-        capture_price, train_price = r["capture_per_token"], r["train_per_position"]
+        price = {k: r[k] for k in ("capture_per_token", "train_per_position", "decode_per_token")}
+        bench = plan.predicted_seconds["bench"]
         if reprice is not None:
             t0 = time.perf_counter()
             again = reprice()
             elapsed += time.perf_counter() - t0
-            capture_price, train_price = min(capture_price, again[0]), min(train_price, again[1])
-            decision.update(repriced={"capture_per_token": again[0], "train_per_position": again[1],
-                                      "seconds": round(time.perf_counter() - t0, 1)})
-        per_token = capture_price + (1 - cfg.train.val_fraction) * cfg.train.epochs * train_price
-        left = plan.budget_minutes * 60 / SAFETY - elapsed - plan.predicted_seconds["bench"]
+            price = {k: min(v, again[k]) for k, v in price.items()}
+            bench *= price["decode_per_token"] / r["decode_per_token"]
+            decision.update(repriced={**again, "seconds": round(time.perf_counter() - t0, 1)},
+                            bench_seconds=round(bench, 1))
+        per_token = price["capture_per_token"] + \
+            (1 - cfg.train.val_fraction) * cfg.train.epochs * price["train_per_position"]
+        left = plan.budget_minutes * 60 / SAFETY - elapsed - bench
         spare = left - tokens * per_token
         per_conv = regen_seconds / convs + tokens / convs * per_token
         kept = int(max(spare, 0.0) // per_conv)
@@ -478,7 +490,8 @@ def fit_training(cfg: Any, plan: Plan, tokens: int, elapsed: float, out: Path) -
     Training gets that time as ``target_minutes``: it times its own steps and sets its step
     count to fill it (:class:`~draftsmith.train.loop.TimeFit`), so a calibration that priced
     training too dear (a busy machine while it ran: BENCHMARKS.md 9b) no longer ends the run
-    early. The epochs are its cap, twice the asked ones (more passes over few replies
+    early. The bench's time is the top-up's re-priced one where there was a top-up decision.
+    The epochs are its cap, twice the asked ones (more passes over few replies
     overfit); ``priced_epochs`` is what the calibration's price predicts. The result is stored
     in the plan file, so a rerun (whose cached steps take no time) trains with the same
     settings and hits the cache.
@@ -490,7 +503,8 @@ def fit_training(cfg: Any, plan: Plan, tokens: int, elapsed: float, out: Path) -
     fit = raw.get("train_fit")
     if fit is None:
         positions = max(tokens * (1 - cfg.train.val_fraction), 1.0)
-        left = max(plan.budget_minutes * 60 / SAFETY - elapsed - plan.predicted_seconds["bench"], 30.0)
+        bench = (raw.get("top_up") or {}).get("bench_seconds", plan.predicted_seconds["bench"])
+        left = max(plan.budget_minutes * 60 / SAFETY - elapsed - bench, 30.0)
         priced = min(max(left / (positions * plan.rates["train_per_position"]), 0.25 * cfg.train.epochs),
                      2 * cfg.train.epochs)
         fit = {"epochs": 2 * cfg.train.epochs, "priced_epochs": round(priced, 3),

@@ -89,15 +89,20 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
     if plan is not None:
         def top_up(r: dict[str, Any]) -> int:
             timing = cache.timings.get("regenerate", {})
-            def reprice() -> tuple[float, float]:
+            def reprice() -> dict[str, float]:
                 from draftsmith.data.regenerate import load_regenerated
 
                 replied = load_regenerated(Path(r["path"]))[:cfg.data.capture_batch_size]
-                return budget.capture_and_train_prices(vd, v, replied, cfg.data, cfg.train, out / "calibration")
+                capture, train = budget.capture_and_train_prices(vd, v, replied, cfg.data, cfg.train,
+                                                                 out / "calibration")
+                return {"capture_per_token": capture, "train_per_position": train,
+                        "decode_per_token": budget.decode_price(v, cfg.bench)}
 
             decision = budget.top_up(cfg, plan, Path(r["path"]), None if timing.get("cached") else
                                      timing.get("seconds"), spent(), out, reprice)
             report["top_up"] = decision
+            if "bench_seconds" in decision:
+                cache.estimates["bench"] = decision["bench_seconds"]
             if decision["prompts"]:
                 cache.estimates["topup_regenerate"] = decision["predicted_seconds"]
                 steps.say(f"[topup] the replies hold {decision['tokens']} tokens ({decision['conversations']} "
