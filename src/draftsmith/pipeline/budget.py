@@ -11,9 +11,11 @@ size whose predicted total fits the budget, and says what each step should take.
 The plan is written to ``OUT/plan.json`` with the budget, the machine (CPU model,
 threads, device) and the configuration it was made for; a rerun with the same
 budget on the same machine reuses it instead of measuring again, so its steps come
-out of the step cache. Training gets its time share as ``max_minutes`` (it stops
-with a checkpoint there, and the report says so); everything else is sized in
-advance. An interrupted budgeted run resumed with the same command is the same run:
+out of the step cache. After regeneration, :func:`top_up` times capture, training and a
+decode again (the cheaper of each pair of prices counts) and spends what the replies left
+over on more prompts; :func:`fit_training` then gives training the time left as
+``target_minutes`` (it times its own steps to fill it) and ``max_minutes`` (it stops with a
+checkpoint there, and the report says so). An interrupted budgeted run resumed with the same command is the same run:
 the decisions it has still to make (the top-up, training's fit) count the time its
 cached steps took when they ran (``StepCache.earlier_seconds``), so the whole run, not
 each attempt, fits the budget.
@@ -466,7 +468,7 @@ def top_up(cfg: Any, plan: Plan, regenerated: Path, regen_seconds: float | None,
             price = {k: min(v, again[k]) for k, v in price.items()}
             bench *= price["decode_per_token"] / r["decode_per_token"]
             decision.update(repriced={**again, "seconds": round(time.perf_counter() - t0, 1)},
-                            bench_seconds=round(bench, 1))
+                            bench_seconds=bench)
         per_token = price["capture_per_token"] + \
             (1 - cfg.train.val_fraction) * cfg.train.epochs * price["train_per_position"]
         left = plan.budget_minutes * 60 / SAFETY - elapsed - bench
