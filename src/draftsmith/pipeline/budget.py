@@ -15,10 +15,10 @@ out of the step cache. After regeneration, :func:`top_up` times capture, trainin
 decode again (the cheaper of each pair of prices counts) and spends what the replies left
 over on more prompts; :func:`fit_training` then gives training the time left as
 ``target_minutes`` (it times its own steps to fill it) and ``max_minutes`` (it stops with a
-checkpoint there, and the report says so). An interrupted budgeted run resumed with the same command is the same run:
-the decisions it has still to make (the top-up, training's fit) count the time its
-cached steps took when they ran (``StepCache.earlier_seconds``), so the whole run, not
-each attempt, fits the budget.
+checkpoint there, and the report says so). An interrupted budgeted run resumed with the
+same command is the same run: the decisions it has still to make (the top-up, training's
+fit) count the time its cached steps took when they ran (``StepCache.earlier_seconds``),
+so the whole run, not each attempt, fits the budget.
 """
 
 from __future__ import annotations
@@ -434,12 +434,12 @@ def top_up(cfg: Any, plan: Plan, regenerated: Path, regen_seconds: float | None,
     ``reprice()`` times capture, training and a plain decode again (``capture_per_token``,
     ``train_per_position``, ``decode_per_token``: :func:`capture_and_train_prices` on the
     replies just made, :func:`decode_price`), and the cheaper of each pair of measurements
-    counts: a busy machine only ever makes a measurement slower, and a calibration run beside
-    another program priced capture 5.6x and training 2.9x too dear, so the top-up bought 80
-    prompts where some 400 would have fit (BENCHMARKS.md 9b); one beside two CPU burners priced
-    the bench 4x too dear, and reserved it minutes it would not use (9g). The bench's time is
-    scaled by the decode prices' ratio (``bench_seconds``, which :func:`fit_training` reads
-    too). The re-pricing's time counts against the budget like any step's.
+    counts: a busy machine only ever makes a measurement slower. A calibration run beside
+    another program priced capture 5.6x and training 2.9x too dear, the top-up bought only 80
+    prompts and the run ended at 21.7 of 40 minutes (BENCHMARKS.md 9b); one beside two CPU
+    burners priced the bench 4x too dear and reserved it minutes it did not use (9g). The
+    bench's time is scaled by the decode prices' ratio (``bench_seconds``, which
+    :func:`fit_training` reads too). The re-pricing's time counts against the budget.
 
     The decision is stored in the plan file (``top_up``) before any work, so a rerun
     asks for the same prompts and hits the step cache. ``regen_seconds`` None (the
