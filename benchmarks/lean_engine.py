@@ -12,7 +12,9 @@ what it compares (the order rotates), on one verifier (SmolLM2-135M float32 by d
    lean vs hf-dynamic (the curve). Target: lean step at 1024 within 10% of the one at 128.
 3. ``draft``: one cached EAGLE-3 draft step (random weights; draft vocab ``--draft-vocab``)
    against a verifier one-token step at the same context, and its share of the weights a
-   verifier step reads (the floor a GEMV-bound step can reach). Target: <= 5%.
+   verifier step reads (the floor a GEMV-bound step can reach). On CPU also the draft with
+   int8 weights (``--draft-precision int8``), and with ``--compile`` every row compiled
+   (compiled draft over compiled verifier). Target: <= 5%.
 4. ``rss``: peak RSS of a child process that decodes to ``--rss-context`` tokens of
    context, plainly and with an EAGLE-3 draft, lean vs hf-dynamic (and, with
    ``--baseline-src``, an older checkout's engine). Target: lean <= 1.10x the old engine.
@@ -271,6 +273,7 @@ def old_draft_step(draft, input_ids, hidden, position_ids, cache: list) -> tuple
 
 def section_draft(args, model, out: dict) -> None:
     from draftsmith.decoding.proposers import Eagle3Proposer
+    from draftsmith.models.quantize import quantize_draft
     from draftsmith.models.verifier import weights_in_out
     from draftsmith.decoding.runner import verifier_runner
     from draftsmith.decoding.sampling import SamplingParams
@@ -281,63 +284,108 @@ def section_draft(args, model, out: dict) -> None:
     greedy = SamplingParams()
     res: dict[str, Any] = {"context": C, "repeats": args.step_repeats, "weight_layout": args.weight_layout}
     with torch.inference_mode(), contextlib.ExitStack() as held:
-        verifier = verifier_runner(model, C + 8)
         ctx = torch.randint(2, V, (C,), generator=g).to(device)
-        verifier.forward(ctx, 1)
+        verifiers = {"verifier": verifier_runner(model, C + 8)}
+        if args.compile:
+            verifiers["verifier-compiled"] = verifier_runner(model, C + 8, compile=True, warmup_shapes=(1,),
+                                                             role="draft-section")
+        for r in verifiers.values():
+            r.forward(ctx, 1)
         tok = torch.randint(2, V, (1,), generator=g).to(device)
         proposers = {}
-        for vd in args.draft_vocab:
-            draft = eagle3_draft(model, min(vd, V))
-            held.enter_context(weights_in_out(draft, args.weight_layout == "in-out"))  # as the verifier's
-            prop = Eagle3Proposer(draft)
+
+        def ready(d, compile: bool) -> Eagle3Proposer:
+            """A proposer for ``d`` with the same ``C`` cached positions as the verifier."""
+            prop = Eagle3Proposer(d)
             prop.reset()
-            prop.prepare(C + 8, compile=False)
-            H = prop.draft.config.hidden_size
-            w = prop.draft.fc.weight
-            prop._step(ctx[None], torch.randn(1, C, H, generator=g).to(device=device, dtype=w.dtype),
+            prop.prepare(C + 8, compile=compile)
+            w = d.fc.weight
+            prop._step(ctx[None], torch.randn(1, C, d.config.hidden_size, generator=g).to(device=device, dtype=w.dtype),
                        torch.arange(1, C + 1, device=device)[None])
-            proposers[vd] = (prop, torch.randn(1, 1, H, generator=g).to(device=device, dtype=w.dtype))
+            return prop
+
+        for vd in args.draft_vocab:
+            vd = str(vd)
+            draft = eagle3_draft(model, min(int(vd), V))
+            held.enter_context(weights_in_out(draft, args.weight_layout == "in-out"))  # as the verifier's
+            w = draft.fc.weight
+            h = torch.randn(1, 1, draft.config.hidden_size, generator=g).to(device=device, dtype=w.dtype)
+            # the same draft with int8 weights (W8A16, --draft-precision int8) where asked
+            variants = {vd: draft, **({f"{vd}-int8": quantize_draft(draft, "int8")} if args.draft_int8 else {})}
+            for name, d in variants.items():
+                for compiled in (False, True) if args.compile else (False,):
+                    proposers[name + ("-compiled" if compiled else "")] = (ready(d, compiled), h)
         # the old step on the first vocabulary's draft, from the same cached context
-        old_vd = args.draft_vocab[0]
+        old_vd = str(args.draft_vocab[0])
         old_prop, old_h = proposers[old_vd]
         old_cache: list = [None, None]
         old_draft_step(old_prop.draft, ctx[None], torch.randn(1, C, old_h.shape[-1], generator=g).to(old_h),
                        torch.arange(1, C + 1, device=device)[None], old_cache)
-        times: dict[str, list[float]] = {"verifier": [], **{f"draft-{vd}": [] for vd in proposers},
-                                         f"draft-{old_vd}-before-issue-20": []}
-        pos = torch.tensor([[C + 1]], device=device)
+        names = [*verifiers, *(f"draft-{vd}" for vd in proposers), f"draft-{old_vd}-before-issue-20"]
+        # per rep: a verifier step's time, or a draft chain's step times (a round drafts k in a row)
+        times: dict[str, list[list[float]]] = {n: [] for n in names}
+        K = args.draft_chain
         for rep in range(args.step_repeats + 2):
-            order = list(times)
-            shift = rep % len(order)
-            for name in order[shift:] + order[:shift]:
-                sync(device)
-                t0 = time.perf_counter()
-                if name == "verifier":
-                    verifier.forward(tok, 1)
-                elif name.endswith("before-issue-20"):
-                    logits, _ = old_draft_step(old_prop.draft, tok[None], old_h, pos, old_cache)
-                    old_prop._choose(logits[0, -1], greedy, None)
+            shift = rep % len(names)
+            for name in names[shift:] + names[:shift]:
+                if name in verifiers:
+                    sync(device)
+                    t0 = time.perf_counter()
+                    verifiers[name].forward(tok, 1)
+                    sync(device)
+                    if rep >= 2:
+                        times[name].append([time.perf_counter() - t0])
+                    verifiers[name].rollback(C)
+                    continue
+                # a round starts after a verifier step (which evicts the draft's weights from the caches)
+                verifiers["verifier"].forward(tok, 1)
+                verifiers["verifier"].rollback(C)
+                chain, t = [], tok
+                if name.endswith("before-issue-20"):
+                    prop, h = old_prop, old_h
                 else:
-                    prop, h = proposers[int(name.split("-")[1])]
-                    logits, _ = prop._step(tok[None], h, pos)  # one cached draft step ...
-                    prop._choose(logits[0, -1], greedy, None)  # ... and its token (argmax, d2t)
-                sync(device)
+                    prop, h = proposers[name.removeprefix("draft-")]
+                for i in range(K):
+                    p = torch.tensor([[C + 1 + i]], device=device)
+                    sync(device)
+                    t0 = time.perf_counter()
+                    if name.endswith("before-issue-20"):
+                        logits, h = old_draft_step(prop.draft, t.reshape(1, 1), h, p, old_cache)
+                    else:
+                        logits, h = prop._step(t.reshape(1, 1), h, p)  # one cached draft step ...
+                    t, _ = prop._choose(logits[0, -1], greedy, None)  # ... and its token (argmax, d2t)
+                    h = h[:, -1:]
+                    sync(device)
+                    chain.append(time.perf_counter() - t0)
                 if rep >= 2:
-                    times[name].append(time.perf_counter() - t0)
-                if name == "verifier":
-                    verifier.rollback(C)
-                elif name.endswith("before-issue-20"):
+                    times[name].append(chain)
+                if name.endswith("before-issue-20"):
                     old_cache[:] = [old_cache[0][:, :, :C], old_cache[1][:, :, :C]]
                 else:
                     prop.cache.rollback(C)
-    med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-    res["median_ms"] = med
-    res["draft_over_verifier"] = {k: med[k] / med["verifier"] for k in med if k != "verifier"}
+    first = {k: 1e3 * statistics.median(c[0] for c in v) for k, v in times.items()}
+    mean = {k: 1e3 * statistics.median(statistics.fmean(c) for c in v) for k, v in times.items()}
+    res["draft_chain"] = K
+    res["median_ms"] = mean  # verifier: one step; drafts: the mean step of a chain of K after a verifier step
+    res["first_step_ms"] = first  # drafts: the chain's first step (weights cold)
+
+    def over(ms: dict[str, float]) -> dict[str, float]:
+        # a compiled draft step over the compiled verifier step, an eager one over the eager
+        return {k: ms[k] / ms["verifier-compiled" if k.endswith("-compiled") else "verifier"]
+                for k in ms if not k.startswith("verifier")}
+
+    res["draft_over_verifier"] = over(mean)
+    res["first_step_over_verifier"] = over(first)
     res["target_5pct"] = {k: v <= 0.05 for k, v in res["draft_over_verifier"].items()}
     # The floor a step can reach: its share of the matmul weights a verifier step reads
     # (a one-token step is a chain of GEMVs, bound by the weights it reads).
     res["weight_share"] = {f"draft-{vd}": draft_step_params(p.draft) / linear_params(model)
-                           for vd, (p, _) in proposers.items()}
+                           for vd, (p, _) in proposers.items() if "-" not in vd}
+    # int8 weights are a quarter of float32's bytes: the floor of a step that reads them
+    res["weight_bytes_share"] = {**res["weight_share"], **{
+        f"draft-{vd}": draft_step_bytes(p.draft) / linear_bytes(model)
+        for vd, (p, _) in proposers.items() if vd.endswith("-int8")}}
+    res["compile"] = bool(args.compile)
     out["draft"] = res
 
 
@@ -350,6 +398,20 @@ def draft_step_params(draft) -> int:
     """Linear parameters one cached EAGLE-3 draft step uses: its layer and head, not ``fc``
     (which maps the verifier's hidden states in the first step of a round only)."""
     return linear_params(draft.layers) + draft.lm_head.weight.numel()
+
+
+def linear_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the weights of every linear layer (float or int8 weight-only) a forward of ``module`` reads."""
+    from draftsmith.models.quantize import Int8WeightLinear
+
+    return sum(m.weight.numel() * m.weight.element_size() if isinstance(m, torch.nn.Linear)
+               else m.qweight.numel() + m.scale.numel() * m.scale.element_size()
+               for m in module.modules() if isinstance(m, (torch.nn.Linear, Int8WeightLinear)))
+
+
+def draft_step_bytes(draft) -> int:
+    """Weight bytes one cached EAGLE-3 draft step reads: its layer and head (see draft_step_params)."""
+    return linear_bytes(draft.layers) + linear_bytes(draft.lm_head)
 
 
 # ----------------------------------------------------------------------------------------- 4. peak RSS
@@ -430,9 +492,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-repeats", type=int, default=60, help="timed steps per point (context, draft)")
     ap.add_argument("--draft-context", type=int, default=128, help="cached positions in the draft section")
     ap.add_argument("--draft-vocab", type=int, nargs="+", default=[8192, 32000])
+    ap.add_argument("--draft-chain", type=int, default=3,
+                    help="draft steps timed in a row after each verifier step (section draft; a round's k)")
+    ap.add_argument("--draft-int8", action=argparse.BooleanOptionalAction, default=None,
+                    help="also time each draft with int8 weights (--draft-precision int8; default: on CPU)")
     ap.add_argument("--rss-context", type=int, default=2048)
     ap.add_argument("--baseline-src", default=None, help="src/ of an older checkout for the RSS baseline")
-    ap.add_argument("--compile", action="store_true", help="add compiled lean rows (plain, context)")
+    ap.add_argument("--compile", action="store_true", help="add compiled lean rows (plain, context, draft)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/lean-engine.json"))
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -450,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.bench.measure import environment
 
     model, tok, label = load(args)
+    if args.draft_int8 is None:
+        args.draft_int8 = next(model.parameters()).device.type == "cpu"
     out: dict[str, Any] = {"verifier": label, "dtype": args.dtype, "device": str(next(model.parameters()).device),
                            "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
                            "environment": environment(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -498,8 +566,12 @@ def report(out: dict) -> None:
                   + (f"   1024/128 = {ratio:.3f}" if ratio is not None else ""))
     if "draft" in out:
         d = out["draft"]
-        print(f"[draft] at {d['context']} cached: " + "  ".join(f"{k}: {v:.2f} ms" for k, v in d["median_ms"].items()))
+        print(f"[draft] at {d['context']} cached, mean step of a chain of {d.get('draft_chain', 1)} after a verifier "
+              "step: " + "  ".join(f"{k}: {v:.2f} ms" for k, v in d["median_ms"].items()))
         print("  draft / verifier step: " + "  ".join(f"{k}: {100 * v:.1f}%" for k, v in d["draft_over_verifier"].items()))
+        if "first_step_over_verifier" in d:
+            print("  the chain's first step (weights cold) / verifier step: "
+                  + "  ".join(f"{k}: {100 * v:.1f}%" for k, v in d["first_step_over_verifier"].items()))
         print("  its share of the weights a verifier step reads (the floor): "
               + "  ".join(f"{k}: {100 * v:.1f}%" for k, v in d["weight_share"].items()))
     if "layout" in out:

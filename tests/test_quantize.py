@@ -1,5 +1,7 @@
 """Quantized verifier: the int8 layer's arithmetic, its batch invariance (and the per-tensor
-scheme that lacks it), lossless speculative decoding on it, and its bench rows and report."""
+scheme that lacks it), lossless speculative decoding on it, and its bench rows and report.
+Quantized draft (``--draft-precision int8``): the weight-only layer, the kernel probe, and
+lossless speculative decoding with it."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from conftest import perturbed_copy, tiny_model
 from draftsmith import generate
 from draftsmith.decoding import DraftModelProposer, NgramProposer
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.quantize import Int8Linear, output_vocab_size, quantize_verifier
+from draftsmith.models.quantize import (Int8Linear, Int8WeightLinear, int8_weight_only_usable, output_vocab_size,
+                                        quantize_draft, quantize_verifier)
 
 
 def _per_tensor_dynamic(model: torch.nn.Module) -> torch.nn.Module:
@@ -248,3 +251,119 @@ def test_int8_smollm2_verify_is_bitwise_and_the_ulp_becomes_an_int8_step(smollm2
     q = quantize_verifier(model, "int8")
     assert max(_verify_vs_steps(q, False, seed, vocab=5000) for seed in range(3)) > 0.1
     assert all(_verify_vs_steps(q, True, seed, vocab=5000) == 0.0 for seed in range(3))
+
+
+# ----------------------------------------------------------------------------- int8 draft (W8A16)
+def test_int8_weight_only_linear_is_the_int8_product_in_bfloat16():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48)
+    q = Int8WeightLinear(lin)
+    x = torch.randn(3, 5, 64)
+    y = q(x)
+    assert y.shape == (3, 5, 48) and y.dtype == torch.float32
+    assert q.qweight.dtype == torch.int8 and int(q.qweight.abs().max()) == 127
+    # reference in float64 from what the kernel is given: bfloat16 inputs, int8 codes, bfloat16 scales
+    x2 = x.reshape(-1, 64).to(torch.bfloat16).double()
+    ref = (x2 @ q.qweight.double().T) * q.scale.double() + lin.bias.detach().double()
+    err = (y.reshape(-1, 48).double() - ref).abs().max() / ref.abs().max()
+    assert err < 1e-2  # the output's bfloat16 rounding: 2^-8 relative
+    # and near the float layer (the int8 rounding of the weights)
+    rel = (y - lin(x)).abs().max() / lin(x).abs().max()
+    assert 0 < rel < 0.05
+
+
+def test_int8_weight_only_probe_takes_widths_of_16_and_a_kernel_that_agrees(monkeypatch):
+    torch.manual_seed(0)
+    assert int8_weight_only_usable(torch.nn.Linear(64, 8))
+    # torch 2.13's kernel returns garbage (or crashes) when the input width is no multiple of 16
+    assert not int8_weight_only_usable(torch.nn.Linear(24, 8))
+    assert not int8_weight_only_usable(torch.nn.Linear(64, 8, device="meta"))  # CPU only
+    # negative control of the numerical check: a kernel that answers wrongly is refused
+    real = torch._weight_int8pack_mm
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda x, w, s: 1.5 * real(x, w, s))
+    assert not int8_weight_only_usable(torch.nn.Linear(64, 8))
+
+
+def test_quantize_draft_int8_swaps_the_step_layers_and_keeps_the_original():
+    from draft_factory import random_draft
+
+    verifier = tiny_model("llama")
+    d = random_draft(verifier, vd=64, aux_layer_ids=[0, 1, 1])
+    assert quantize_draft(d, "as-loaded") is d
+    q = quantize_draft(d, "int8")
+    swapped = {n for n, m in q.named_modules() if isinstance(m, Int8WeightLinear)}
+    assert swapped == {"lm_head", *(f"layers.0.self_attn.{p}_proj" for p in "qkvo"),
+                       *(f"layers.0.mlp.{p}_proj" for p in ("gate", "up", "down"))}
+    assert type(q.fc) is torch.nn.Linear  # once per round, from the verifier's states: left in float
+    assert not any(isinstance(m, Int8WeightLinear) for m in d.modules())  # the original is untouched
+    assert torch.equal(q.d2t, d.d2t) and torch.equal(q.embed_tokens.weight, d.embed_tokens.weight)
+    with pytest.raises(DraftsmithError, match="--draft-precision"):
+        quantize_draft(d, "int4")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_speculative_decoding_with_an_int8_draft_is_lossless(arch):
+    """The draft's precision changes what it proposes, never what is output."""
+    from draft_factory import random_draft
+    from draftsmith.decoding.proposers import Eagle3Proposer
+
+    verifier = tiny_model(arch)
+    d = random_draft(verifier, vd=64, aux_layer_ids=[0, 1, 1])
+    d.config.aux_layer_ids = [0, 1, 2]
+    q = quantize_draft(d, "int8")
+    # not the float draft under another name: its logits move by the int8 rounding
+    ids, hidden, pos = torch.tensor([[3, 7, 9]]), torch.randn(1, 3, d.config.hidden_size), torch.arange(1, 4)[None]
+    with torch.no_grad():
+        lf, _ = d.step(ids, hidden, pos, d.new_cache(8))
+        lq, _ = q.step(ids, hidden, pos, q.new_cache(8))
+    assert 0 < float((lf - lq).abs().max()) < 0.1 * float(lf.abs().max())
+    prop = Eagle3Proposer(q)
+    for seed in range(2):
+        prompt = torch.randint(2, 128, (10,), generator=torch.Generator().manual_seed(seed)).tolist()
+        plain = generate(verifier, prompt, max_new_tokens=30, eos_token_id=[]).token_ids
+        for k in (1, 4):
+            out = generate(verifier, prompt, proposer=prop, max_new_tokens=30, num_draft_tokens=k, eos_token_id=[])
+            assert out.token_ids == plain
+            assert out.stats["drafts"] > 0
+
+
+def test_bench_draft_precisions_label_the_rows(tmp_path):
+    from draft_factory import random_draft
+    from draftsmith.bench import BenchConfig
+    from draftsmith.bench.run import with_draft_precisions
+    from draftsmith.decoding.proposers import Eagle3Proposer
+
+    verifier = tiny_model("llama")
+    prop = Eagle3Proposer(random_draft(verifier, vd=64, aux_layer_ids=[0, 1, 1]))
+    ngram = NgramProposer()
+    out = with_draft_precisions({"eagle3:d": prop, "ngram": ngram}, ["as-loaded", "int8"])
+    assert list(out) == ["eagle3:d", "eagle3:d@int8", "ngram"]
+    assert out["eagle3:d"] is prop and out["ngram"] is ngram
+    assert isinstance(out["eagle3:d@int8"].draft.lm_head, Int8WeightLinear)
+    only = with_draft_precisions({"eagle3:d": prop}, ["int8"])  # the first precision keeps the label
+    assert list(only) == ["eagle3:d"] and isinstance(only["eagle3:d"].draft.lm_head, Int8WeightLinear)
+    with pytest.raises(DraftsmithError, match="--draft-precision"):
+        BenchConfig(verifier="x", out=tmp_path, drafter=["ngram"], draft_precision=["fp8"])
+    with pytest.raises(DraftsmithError, match="--draft-precision"):
+        BenchConfig(verifier="x", out=tmp_path, drafter=["ngram"], draft_precision=[])
+    from draftsmith.cli import GenerateConfig
+
+    with pytest.raises(DraftsmithError, match="--draft-precision"):
+        GenerateConfig(verifier="x", prompt="hi", draft_precision="int4")
+
+
+def test_load_draft_at_int8_from_a_saved_draft(tmp_path):
+    from draft_factory import random_draft, tiny_verifier
+    from draftsmith.drafters import build_proposer
+    from draftsmith.export import save_draft
+
+    verifier = tiny_verifier()
+    path = save_draft(random_draft(verifier), tmp_path / "d", verifier_name="tiny", num_draft_tokens=3,
+                      fingerprint="x", metrics={}, provenance={})
+    as_loaded = build_proposer(str(path), verifier, None)
+    q = build_proposer(str(path), verifier, None, draft_precision="int8")
+    assert type(as_loaded.draft.lm_head) is torch.nn.Linear and isinstance(q.draft.lm_head, Int8WeightLinear)
+    prompt = list(range(2, 14))
+    plain = generate(verifier, prompt, max_new_tokens=20, eos_token_id=[]).token_ids
+    assert generate(verifier, prompt, proposer=q, max_new_tokens=20, num_draft_tokens=3,
+                    eos_token_id=[]).token_ids == plain

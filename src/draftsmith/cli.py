@@ -15,6 +15,7 @@ from draftsmith.config import add_arguments, from_args, opt
 from draftsmith.drafters import DRAFTER_HELP
 from draftsmith.errors import DraftsmithError, GateFailed
 from draftsmith.evaluate import EvalConfig, run_eval
+from draftsmith.models.quantize import DRAFT_PRECISIONS
 from draftsmith.pipeline.config import DataSection
 from draftsmith.pipeline.kfp import KfpCompileConfig, compile_cli
 from draftsmith.pipeline.runner import PipelineRunConfig, RefreshConfig, refresh_cli, run_pipeline_cli
@@ -45,8 +46,13 @@ class GenerateConfig:
     json: bool = opt(False, "print one JSON object with text, token_ids and stats")
     compile: bool = opt(False, "torch.compile the verifier and draft steps (CUDA graphs on CUDA); the compile "
                                "time is reported apart from the decoding time")
+    draft_precision: str = opt("as-loaded", "an EAGLE-3 draft's precision: "
+                               + "; ".join(f"{k} ({v})" for k, v in DRAFT_PRECISIONS.items()))
 
     def __post_init__(self) -> None:
+        if self.draft_precision not in DRAFT_PRECISIONS:
+            raise DraftsmithError(f"--draft-precision: expected one of {list(DRAFT_PRECISIONS)}, "
+                                  f"got {self.draft_precision!r}")
         if self.num_draft_tokens < 1:
             raise DraftsmithError(f"--num-draft-tokens must be >= 1, got {self.num_draft_tokens}")
         if self.max_new_tokens < 1:
@@ -60,7 +66,7 @@ def run_generate(cfg: GenerateConfig) -> int:
     from draftsmith.models.verifier import load_verifier
 
     model, tokenizer, _ = load_verifier(cfg.verifier, dtype=cfg.dtype, device=cfg.device)
-    proposer = build_proposer(cfg.drafter, model, tokenizer, dtype=cfg.dtype)
+    proposer = build_proposer(cfg.drafter, model, tokenizer, dtype=cfg.dtype, draft_precision=cfg.draft_precision)
     ids = encode_prompt(tokenizer, cfg.prompt, chat=cfg.chat)
     out = generate(model, ids, proposer=proposer, max_new_tokens=cfg.max_new_tokens,
                    temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,

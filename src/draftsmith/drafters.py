@@ -9,6 +9,7 @@ import torch
 from draftsmith.decoding.cross_tokenizer import CrossTokenizerProposer
 from draftsmith.decoding.proposers import DraftModelProposer, Eagle3Proposer, NgramProposer, Proposer
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.quantize import quantize_draft
 from draftsmith.models.speculators import read_config, read_draft, validate_against_verifier
 from draftsmith.models.verifier import text_config
 
@@ -22,8 +23,10 @@ def same_tokenizer(draft_tokenizer: object, verifier_tokenizer: object) -> bool:
 
 
 def build_proposer(spec: str | None, verifier: torch.nn.Module, tokenizer: object,
-                   dtype: str | torch.dtype | None = "auto") -> Proposer | None:
-    """Turn ``--drafter`` text into a proposer for ``verifier`` (None: plain decoding)."""
+                   dtype: str | torch.dtype | None = "auto", draft_precision: str = "as-loaded") -> Proposer | None:
+    """Turn ``--drafter`` text into a proposer for ``verifier`` (None: plain decoding).
+
+    ``draft_precision`` applies to an EAGLE-3 draft directory (:func:`load_draft`)."""
     if spec is None or spec in {"", "none"}:
         return None
     if spec == "ngram" or spec.startswith("ngram:"):
@@ -43,16 +46,17 @@ def build_proposer(spec: str | None, verifier: torch.nn.Module, tokenizer: objec
         proposer.check_compatible(verifier)
         return proposer
     if Path(spec).is_dir():
-        return load_draft(spec, verifier)
+        return load_draft(spec, verifier, precision=draft_precision)
     raise DraftsmithError(f"unknown --drafter {spec!r}; expected {DRAFTER_HELP}")
 
 
-def load_draft(path: str | Path, verifier: torch.nn.Module) -> Eagle3Proposer:
+def load_draft(path: str | Path, verifier: torch.nn.Module, precision: str = "as-loaded") -> Eagle3Proposer:
     """Load a speculators-format EAGLE-3 draft for ``verifier``; return its proposer.
 
     The draft is validated against the verifier (hidden size, vocabulary, layer
     ids), put on its device and dtype, and given the verifier's input embedding
-    when the file carries none.
+    when the file carries none. ``precision`` ``int8`` (CPU) multiplies its layer and
+    head by int8 weights (:func:`draftsmith.models.quantize.quantize_draft`).
     """
     vc = text_config(verifier)
     cfg, _ = read_config(path, verifier_layers=vc.num_hidden_layers)
@@ -63,6 +67,6 @@ def load_draft(path: str | Path, verifier: torch.nn.Module) -> Eagle3Proposer:
     if draft.embed_tokens_from_verifier:
         with torch.no_grad():
             draft.embed_tokens.weight.copy_(verifier.get_input_embeddings().weight)
-    proposer = Eagle3Proposer(draft)
+    proposer = Eagle3Proposer(quantize_draft(draft, precision))
     proposer.check_compatible(verifier)
     return proposer

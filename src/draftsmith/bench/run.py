@@ -14,11 +14,11 @@ from draftsmith.bench.measure import (BenchState, build_rows, engine_rows, judge
                                       load_eval_prompts, measure_costs, measure_interleaved, quantized_rows)
 from draftsmith.bench.report import build_report, render_markdown, write_report
 from draftsmith.config import opt
-from draftsmith.decoding.proposers import Proposer
+from draftsmith.decoding.proposers import Eagle3Proposer, Proposer
 from draftsmith.drafters import DRAFTER_HELP
 from draftsmith.engines import ENGINES, OURS
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.quantize import QUANTIZATIONS
+from draftsmith.models.quantize import DRAFT_PRECISIONS, QUANTIZATIONS, quantize_draft
 from draftsmith.models.verifier import WEIGHT_LAYOUTS, weights_in_out
 
 EVAL_DATASETS = ("mt-bench", "humaneval")
@@ -56,12 +56,22 @@ class BenchSettings:
                               help="also measure the verifier quantized, plainly and with each drafter: "
                                    + "; ".join(f"{k} ({v[1]})" for k, v in QUANTIZATIONS.items())
                                    + ". Faster, not lossless: the report says what it changes")
+    draft_precision: list[str] = opt(
+        default_factory=lambda: ["as-loaded"],
+        help="precision(s) of the EAGLE-3 drafts in our engine, side by side: "
+             + "; ".join(f"{k} ({v})" for k, v in DRAFT_PRECISIONS.items())
+             + ". The first keeps the draft's label; the others are measured as LABEL@PRECISION")
 
     def __post_init__(self) -> None:
         bad_q = [q for q in self.quantize if q not in QUANTIZATIONS]
         if bad_q:
             raise DraftsmithError(f"--quantize: expected some of {list(QUANTIZATIONS)}, got {self.quantize}")
         self.quantize = list(dict.fromkeys(self.quantize))
+        bad_p = [p for p in self.draft_precision if p not in DRAFT_PRECISIONS]
+        if bad_p or not self.draft_precision:
+            raise DraftsmithError(f"--draft-precision: expected some of {list(DRAFT_PRECISIONS)}, "
+                                  f"got {self.draft_precision}")
+        self.draft_precision = list(dict.fromkeys(self.draft_precision))
         if self.quantize and OURS not in self.engines:
             raise DraftsmithError(f"--quantize: quantized rows are measured in {OURS}'s engine; add it to --engines")
         bad = [e for e in self.engines if e not in ENGINES]
@@ -143,6 +153,7 @@ def benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], prop
 def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], proposers: dict[str, Proposer],
                cfg: BenchConfig, out_dir: Path, provenance: dict[str, Any] | None, draft_dirs: dict[str, Path],
                servers: contextlib.ExitStack) -> dict[str, Any]:
+    proposers = with_draft_precisions(proposers, cfg.draft_precision)
     rows = build_rows(model, proposers, cfg.num_draft_tokens, cfg.hf_reference, cfg.hf_lookup_tokens)
     if OURS not in cfg.engines:
         rows = rows[:1]  # our plain row stays: the verdicts and the cost model rest on it
@@ -153,7 +164,7 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
     param = next(model.parameters())
     layout = cfg.weight_layout
     provenance = {**(provenance or {}), "dtype": str(param.dtype).removeprefix("torch."), "device": str(param.device),
-                  "weight_layout": layout}
+                  "weight_layout": layout, "draft_precision": cfg.draft_precision}
     # every row decodes inside the block (the quantized rows hold their own copies, made above);
     # the EAGLE-3 drafts' weights are held the same way, so draft and verifier steps stay comparable
     drafts = [p.draft for p in proposers.values() if isinstance(getattr(p, "draft", None), torch.nn.Module)]
@@ -161,6 +172,20 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
         for m in [model, *drafts]:
             held.enter_context(weights_in_out(m, layout == "in-out"))
         return _measure(state, model, proposers, cfg, out_dir, provenance)
+
+
+def with_draft_precisions(proposers: dict[str, Proposer], precisions: list[str]) -> dict[str, Proposer]:
+    """Each EAGLE-3 proposer at each of ``precisions``: the first keeps its label (and object when
+    ``as-loaded``), the others come as ``LABEL@PRECISION``; other proposers pass through."""
+    out: dict[str, Proposer] = {}
+    for label, prop in proposers.items():
+        if not isinstance(prop, Eagle3Proposer):
+            out[label] = prop
+            continue
+        for i, precision in enumerate(precisions):
+            draft = quantize_draft(prop.draft, precision)
+            out[label if i == 0 else f"{label}@{precision}"] = prop if draft is prop.draft else Eagle3Proposer(draft)
+    return out
 
 
 def _measure(state: BenchState, model: torch.nn.Module, proposers: dict[str, Proposer], cfg: BenchConfig,

@@ -83,6 +83,98 @@ class Int8Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, W8A8 per-token"
 
 
+class Int8WeightLinear(torch.nn.Module):
+    """A linear layer with int8 weights (per output channel) and bfloat16 activations (W8A16), CPU.
+
+    ``y = (bf16(x) @ round(W / s_w)^T) * s_w + b`` through ``torch._weight_int8pack_mm``, ATen's
+    CPU kernel for weight-only int8 (the one gpt-fast decodes with): it reads a quarter of the
+    bytes of a float32 GEMV and is 2.3x faster than it for an 8192 x 576 head at one row on SPR
+    (BENCHMARKS.md 14). Its output is bfloat16, returned in the input's dtype. Meant for the
+    draft, whose numerics change only which tokens it proposes: the verifier still decides every
+    token, so output stays lossless.
+
+    The kernel is private and checks less than it should: an input width that is not a multiple
+    of 16 returns garbage or crashes (torch 2.13). :func:`int8_weight_only_usable` probes it
+    before a layer is swapped.
+    """
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(-1).clamp_min(1e-12) / 127.0  # [N]
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))  # [N, K]
+        self.register_buffer("scale", scale.to(torch.bfloat16))
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().clone(),
+                                                                         requires_grad=False)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch._weight_int8pack_mm(x2, self.qweight, self.scale).to(x.dtype)  # [M, N]
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, W8A16 weight-only"
+
+
+def int8_weight_only_usable(linear: torch.nn.Linear) -> bool:
+    """Whether :class:`Int8WeightLinear` computes ``linear`` here: a CPU float layer whose input
+    width is a multiple of 16, and the kernel agreeing with a float product of the same int8
+    weights on a random row (within bfloat16 rounding)."""
+    w = linear.weight
+    if (w.device.type != "cpu" or not w.is_floating_point() or w.dim() != 2 or w.shape[1] % 16
+            or not hasattr(torch, "_weight_int8pack_mm")):
+        return False
+    q = Int8WeightLinear(linear)
+    x = torch.randn(2, w.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.no_grad():
+        got = torch._weight_int8pack_mm(x, q.qweight, q.scale).float()
+        ref = (x.float() @ q.qweight.float().t()) * q.scale.float()
+    return bool(torch.isfinite(got).all()) and float((got - ref).abs().max()) <= 2e-2 * float(ref.abs().max())
+
+
+#: ``--draft-precision`` name -> one line for reports and ``--help``.
+DRAFT_PRECISIONS: dict[str, str] = {
+    "as-loaded": "the draft in the verifier's dtype (what the export holds)",
+    "int8": "the draft layer's and head's weights int8 per channel, bfloat16 activations (W8A16), CPU; "
+            "proposals change by rounding, output stays lossless",
+}
+
+
+def quantize_draft(draft: torch.nn.Module, precision: str) -> torch.nn.Module:
+    """The draft ``draft`` at ``precision`` (a key of :data:`DRAFT_PRECISIONS`); ``as-loaded`` returns it.
+
+    ``int8`` returns a copy whose decoder layer and ``lm_head`` Linears are
+    :class:`Int8WeightLinear` (what a cached draft step multiplies by); ``fc``, which maps
+    the verifier's states once per round, and the embedding stay as they are.
+
+    Raises:
+        DraftsmithError: an unknown precision, a draft not on the CPU, or no layer the kernel takes.
+    """
+    if precision not in DRAFT_PRECISIONS:
+        raise DraftsmithError(f"--draft-precision: expected one of {list(DRAFT_PRECISIONS)}, got {precision!r}")
+    if precision == "as-loaded":
+        return draft
+    device = next(draft.parameters()).device
+    if device.type != "cpu":
+        raise DraftsmithError(f"--draft-precision int8 runs on CPU (ATen's int8 weight-only kernel); the draft "
+                              f"is on {device}, where it runs in the verifier's dtype")
+    q = copy.deepcopy(draft)
+    n = 0
+    for parent in [*q.layers.modules(), q]:
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and (parent is not q or name == "lm_head") \
+                    and int8_weight_only_usable(child):
+                setattr(parent, name, Int8WeightLinear(child))
+                n += 1
+    if n == 0:
+        raise DraftsmithError("--draft-precision int8: no layer of the draft fits the int8 kernel "
+                              "(input widths must be multiples of 16)")
+    return q.eval()
+
+
 def rounds_activations(model: torch.nn.Module) -> bool:
     """Whether a layer of ``model`` rounds its input (:class:`Int8Linear`): its verify forwards must
     then attend one query at a time to compute what one-token steps compute (``KVCache(per_query=True)``)."""
