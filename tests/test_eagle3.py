@@ -119,3 +119,22 @@ def test_set_vocab_offsets():
     assert d.d2t.tolist() == [3, 9, 9, 97]
     assert d.t2d.sum() == 4 and d.t2d[[3, 10, 11, 100]].all()
     assert d.draft_to_target.tolist() == [3, 10, 11, 100]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_is_bitwise_the_written_out_formula_on_cpu(dtype):
+    from draftsmith.models.eagle3 import RMSNorm
+
+    torch.manual_seed(3)
+    norm = RMSNorm(576, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    norm = norm.to(dtype)
+    x = (3 * torch.randn(2, 7, 576)).to(dtype)
+    xf = x.float()
+    ref = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(norm(x), ref)
+        # negative control: another eps is not bitwise the same
+        other = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+        assert not torch.equal(norm(x), other)

@@ -145,7 +145,8 @@ class Eagle3Config:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 (Llama's)."""
+    """RMSNorm computed in float32 (Llama's), as one ``F.rms_norm`` call: on CPU bitwise the
+    written-out ``x * rsqrt(mean(x^2) + eps)`` (tested) and ~3x cheaper for one row."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -153,9 +154,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
