@@ -296,3 +296,16 @@ def test_regenerated_tokens_reads_replies_with_unicode_line_separators(tmp_path)
         f.write(json.dumps(rec, ensure_ascii=False) + "\n")
     assert len(path.read_text(encoding="utf-8").splitlines()) > 4  # what str.splitlines would have read
     assert B.regenerated_tokens(path) == (4, 3 * 15 + 11)
+
+
+def test_bench_rows_count_every_precision_quantization_and_reference():
+    from draftsmith.bench import BenchSettings
+    from draftsmith.pipeline.budget import bench_row_count
+
+    base = BenchSettings(num_draft_tokens=[3, 5], hf_reference=False)
+    assert bench_row_count(base, drafts=1) == 1 + 2
+    assert bench_row_count(base, drafts=2) == 1 + 4  # the previous draft's rows too
+    two = BenchSettings(num_draft_tokens=[3, 5], hf_reference=True, draft_precision=["as-loaded", "int8"])
+    assert bench_row_count(two, drafts=1) == 1 + 4 + 2
+    q = BenchSettings(num_draft_tokens=[3], hf_reference=False, quantize=["int8"])
+    assert bench_row_count(q, drafts=1) == 1 + 1 + (1 + 1)

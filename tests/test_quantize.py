@@ -299,6 +299,8 @@ def test_quantize_draft_int8_swaps_the_step_layers_and_keeps_the_original():
     assert torch.equal(q.d2t, d.d2t) and torch.equal(q.embed_tokens.weight, d.embed_tokens.weight)
     with pytest.raises(DraftsmithError, match="--draft-precision"):
         quantize_draft(d, "int4")
+    with pytest.raises(DraftsmithError, match="runs on CPU"):  # a draft on another device says where it runs
+        quantize_draft(copy.deepcopy(d).to("meta"), "int8")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])

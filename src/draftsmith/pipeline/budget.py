@@ -112,6 +112,13 @@ def _mins(seconds: float) -> str:
     return f"{seconds / 60:.1f} min"
 
 
+def bench_row_count(bench: Any, drafts: int) -> int:
+    """Rows our engine decodes in the pipeline's bench: plain, each draft at each precision and k,
+    HF generate and prompt lookup, and per quantization its plain row and each draft row again."""
+    draft_rows = drafts * len(bench.draft_precision) * len(bench.num_draft_tokens)
+    return 1 + draft_rows + 2 * bench.hf_reference + len(bench.quantize) * (1 + draft_rows)
+
+
 def bench_seconds(rates: Rates, prompts: int, max_new_tokens: int, rows: int, repeats: int) -> float:
     """A bench run: every row decodes every prompt (plus one warm-up per row and the cost probes)."""
     per_run = (rates.prompt_tokens * rates.capture_per_token + max_new_tokens * rates.decode_per_token)
@@ -382,7 +389,7 @@ def plan_for(cfg: Any, v: Any, vd: Any, out: Path, say: Any = print) -> Plan:
         return plan
     say(f"[plan] measuring this machine for a {cfg.budget:g}-minute budget ...")
     rates = calibrate(vd, v, cfg.data, cfg.train, cfg.bench, Path(out) / "calibration")
-    rows = 1 + len(cfg.bench.num_draft_tokens) * (2 if cfg.previous_draft else 1) + 2 * cfg.bench.hf_reference
+    rows = bench_row_count(cfg.bench, drafts=2 if cfg.previous_draft else 1)
     plan = make_plan(cfg.budget, rates, max_new_tokens=cfg.data.max_new_tokens, epochs=cfg.train.epochs,
                      pack_tokens=cfg.train.pack_tokens, bench_max_new_tokens=cfg.bench.max_new_tokens,
                      bench_rows=rows, repeats=cfg.bench.repeats, machine=key["machine"],
