@@ -449,3 +449,50 @@ def test_peak_rss_reset_releases_what_an_earlier_step_freed():
     assert after_gc > base - 50  # the control: still resident after a collection
     assert after_trim < base - 200
     assert peak < base - 200
+
+
+# ----------------------------------------------------------------------------- --compile
+class _CompilingRow(Row):
+    """Sleeps ``pause`` seconds, which its stats report as compile time (as a first compiled call would)."""
+
+    def __init__(self, pause: float, compile_reported: bool) -> None:
+        super().__init__("fake", "plain", None)
+        self.pause, self.compile_reported = pause, compile_reported
+
+    def __call__(self, ids, max_new_tokens, temperature, seed):
+        import time
+
+        time.sleep(self.pause)
+        return [1, 2], {"compile_seconds": self.pause if self.compile_reported else 0.0}, []
+
+
+def test_timed_run_keeps_compile_time_out():
+    ids = torch.tensor([1, 2, 3])
+    assert timed_run(_CompilingRow(0.3, True), ids, 2, 0.0, 0).seconds < 0.1
+    # negative control: the same pause, not reported as compile time, is timed
+    assert timed_run(_CompilingRow(0.3, False), ids, 2, 0.0, 0).seconds >= 0.3
+
+
+@pytest.mark.slow
+def test_compiled_bench_rows_equal_plain_decoding_and_report_compile_time(tiny, tmp_path):
+    from draft_factory import random_draft
+    from draftsmith.decoding.proposers import Eagle3Proposer
+
+    d = random_draft(tiny, vd=48, aux_layer_ids=[0, 1, 1])
+    d.config.aux_layer_ids = [0, 1, 2]
+    cfg = _cfg(tmp_path, num_draft_tokens=[2], compile=True, draft_precision=["as-loaded", "int8"])
+    report = benchmark(tiny, _prompts(2), {"eagle3:d": Eagle3Proposer(d)}, cfg, tmp_path, {"verifier": "tiny"})
+    rows = {r["name"]: r for r in report["rows"]}
+    assert set(rows) == {"plain (ours)", "eagle3:d k=2", "eagle3:d@int8 k=2", "HF generate", "HF prompt lookup k=2"}
+    ours = {"plain (ours)", "eagle3:d k=2", "eagle3:d@int8 k=2"}
+    for name, r in rows.items():
+        assert r["identical_output_rate"] == 1.0, name
+        # our rows decode compiled steps; HF's rows run as users run them
+        assert r["engine_path"] == (["lean+compiled"] if name in ours else []), name
+        if name not in ours:
+            assert r["compile_seconds"] == 0, name
+    # the verifier's and each draft's graphs were compiled once, while their costs were measured,
+    # and reused by every row after (a row compiles only a shape it is the first to meet)
+    assert report["costs"]["compile_seconds"] > 0
+    assert report["provenance"]["compile"] is True
+    assert "compiled steps" in (tmp_path / "report.md").read_text()

@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -106,6 +106,13 @@ class RecordingProposer(Proposer):
     def reset(self) -> None:
         self.inner.reset()
 
+    def prepare(self, max_length: int, compile: bool = False) -> None:
+        self.inner.prepare(max_length, compile)
+
+    @property
+    def compile_seconds(self) -> float:  # type: ignore[override]
+        return float(getattr(self.inner, "compile_seconds", 0.0))
+
     def check_compatible(self, verifier: torch.nn.Module) -> None:
         self.inner.check_compatible(verifier)
 
@@ -158,9 +165,10 @@ class Row:
     engine = OURS
 
     def __init__(self, name: str, kind: str, model: torch.nn.Module, drafter: str | None = None,
-                 k: int | None = None, proposer: Proposer | None = None, quant: str | None = None) -> None:
+                 k: int | None = None, proposer: Proposer | None = None, quant: str | None = None,
+                 compile: bool = False) -> None:
         self.name, self.kind, self.model, self.drafter, self.k, self.proposer = name, kind, model, drafter, k, proposer
-        self.quant = quant
+        self.quant, self.compile = quant, compile
 
     def __call__(self, ids: torch.Tensor, max_new_tokens: int, temperature: float,
                  seed: int) -> tuple[list[int], dict[str, Any] | None, list[tuple[int, int, float]]]:
@@ -171,7 +179,7 @@ class Row:
 
         rec = RecordingProposer(self.proposer) if self.proposer is not None else None
         out = generate(self.model, ids, proposer=rec, max_new_tokens=max_new_tokens, temperature=temperature,
-                       num_draft_tokens=self.k or 1, seed=seed)
+                       num_draft_tokens=self.k or 1, seed=seed, compile=self.compile)
         return out.token_ids, out.stats, rec.calls if rec is not None else []
 
     def _hf(self, ids: torch.Tensor, max_new_tokens: int, temperature: float, seed: int) -> list[int]:
@@ -274,13 +282,15 @@ def timed_run(row: Row, ids: torch.Tensor, max_new_tokens: int, temperature: flo
     t0 = time.perf_counter()
     tokens, stats, calls = row(ids, max_new_tokens, temperature, seed)
     _sync(device)
-    seconds = time.perf_counter() - t0
+    # compiling a shape first seen here is one-off work, reported apart (``compile_seconds``)
+    seconds = time.perf_counter() - t0 - float((stats or {}).get("compile_seconds", 0.0))
     rss, cuda = peak_memory(device)
     return RunResult(tokens, seconds, stats, calls, rss, cuda)
 
 
 def measure_verify_costs(model: torch.nn.Module, context: Sequence[int], ns: Sequence[int],
-                         repeats: int = 9, warmup: int = 2) -> dict[int, float]:
+                         repeats: int = 9, warmup: int = 2, compile: bool = False,
+                         on_compile: Callable[[float], None] | None = None) -> dict[int, float]:
     """Median seconds of a verifier forward on n tokens after ``context`` is cached, for each n,
     made non-decreasing in n by :func:`monotone_fit`.
 
@@ -294,7 +304,8 @@ def measure_verify_costs(model: torch.nn.Module, context: Sequence[int], ns: Seq
     probe = ctx[-max(ns):] if ctx.shape[0] >= max(ns) else ctx.repeat(max(ns) // ctx.shape[0] + 1)[:max(ns)]
     times: dict[int, list[float]] = {n: [] for n in ns}
     with torch.inference_mode():
-        runner = verifier_runner(model, ctx.shape[0] + max(ns))  # the engine's path and cache
+        # the engine's path and cache (compiled: one graph for one token, one for every longer step)
+        runner = verifier_runner(model, ctx.shape[0] + max(ns), compile=compile, warmup_shapes=(1, 2))
         runner.forward(ctx, 1)
         for rep in range(warmup + repeats):
             for n in ns:
@@ -305,12 +316,15 @@ def measure_verify_costs(model: torch.nn.Module, context: Sequence[int], ns: Seq
                 if rep >= warmup:
                     times[n].append(time.perf_counter() - t0)
                 runner.rollback(ctx.shape[0])
+        if on_compile is not None:
+            on_compile(runner.compile_seconds)
         runner.close()
     return monotone_fit({n: statistics.median(v) for n, v in times.items()})
 
 
 def measure_draft_costs(model: torch.nn.Module, proposer: Proposer, prompt: Sequence[int], ks: Sequence[int],
-                        max_new_tokens: int, temperature: float, seed: int) -> dict[int, float]:
+                        max_new_tokens: int, temperature: float, seed: int, compile: bool = False,
+                        on_compile: Callable[[float], None] | None = None) -> dict[int, float]:
     """Median seconds of one propose call at each k, timed inside real generations.
 
     The first call of a sequence is skipped: it includes one-off work (a draft
@@ -322,8 +336,10 @@ def measure_draft_costs(model: torch.nn.Module, proposer: Proposer, prompt: Sequ
     out: dict[int, float] = {}
     for k in ks:
         rec = RecordingProposer(proposer, timing=True, device=device)
-        generate(model, prompt, proposer=rec, max_new_tokens=max_new_tokens, temperature=temperature,
-                 num_draft_tokens=k, seed=seed)
+        res = generate(model, prompt, proposer=rec, max_new_tokens=max_new_tokens, temperature=temperature,
+                       num_draft_tokens=k, seed=seed, compile=compile)
+        if on_compile is not None:
+            on_compile(float(res.stats.get("compile_seconds", 0.0)))
         times = [s for req, _, s in rec.calls[1:] if req == k] or [s for _, _, s in rec.calls]
         if times:
             out[k] = statistics.median(times)
@@ -370,6 +386,8 @@ class BenchState:
     draft_fit: dict[str, tuple[float, float]] = field(default_factory=dict)
     verdicts: dict[tuple[int, int], OutputVerdict] = field(default_factory=dict)  # (row, prompt), greedy only
     quality: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)  # (row, prompt), vs full precision
+    warmup_compile_seconds: dict[int, float] = field(default_factory=dict)  # row -> its warm-up run's compile time
+    costs_compile_seconds: float = 0.0  # compiling the steps while their costs were measured (first, usually)
     partial: bool = False
     note: str = ""
     started: float = field(default_factory=time.time)
@@ -377,10 +395,12 @@ class BenchState:
 
 
 def build_rows(model: torch.nn.Module, proposers: dict[str, Proposer], ks: Sequence[int],
-                hf_reference: bool, hf_lookup_tokens: int | None) -> list[Row]:
-    rows = [Row("plain (ours)", "plain", model)]
+                hf_reference: bool, hf_lookup_tokens: int | None, compile: bool = False) -> list[Row]:
+    """Our plain row, each drafter at each k (compiled steps with ``compile``), and HF's rows."""
+    rows = [Row("plain (ours)", "plain", model, compile=compile)]
     for name, prop in proposers.items():
-        rows += [Row(f"{name} k={k}", "drafter", model, drafter=name, k=k, proposer=prop) for k in ks]
+        rows += [Row(f"{name} k={k}", "drafter", model, drafter=name, k=k, proposer=prop, compile=compile)
+                 for k in ks]
     if hf_reference:
         rows.append(Row("HF generate", "hf-generate", model))
         k_hf = hf_lookup_tokens or max(ks)
@@ -402,7 +422,8 @@ def measure_interleaved(state: BenchState, max_new_tokens: int, temperature: flo
     with progress_bar(total, "bench", "run", progress, file=sys.stderr) as bar:
         for row in state.rows:
             bar.set_postfix_str(f"warm-up {row.name}")
-            row(prompts[0], min(warmup_tokens, max_new_tokens), temperature, seed)
+            _, stats, _ = row(prompts[0], min(warmup_tokens, max_new_tokens), temperature, seed)
+            state.warmup_compile_seconds[state.rows.index(row)] = float((stats or {}).get("compile_seconds", 0.0))
             bar.update()
         for _ in range(repeats):
             for p, ids in enumerate(prompts):
@@ -415,7 +436,7 @@ def measure_interleaved(state: BenchState, max_new_tokens: int, temperature: flo
 
 
 def measure_costs(state: BenchState, proposers: dict[str, Proposer], ks: Sequence[int], max_new_tokens: int,
-                  temperature: float, seed: int) -> None:
+                  temperature: float, seed: int, compile: bool = False) -> None:
     """Fill ``state.costs`` (T_verify(n)) and per-drafter propose costs for this machine and model."""
     model = state.rows[0].model
     prompt = state.prompts[0][1]
@@ -427,10 +448,15 @@ def measure_costs(state: BenchState, proposers: dict[str, Proposer], ks: Sequenc
     if limit is not None:
         target = min(target, limit - k_max - 2)
     context = (prompt * (target // len(prompt) + 1))[:target]
-    state.costs = CostModel(measure_verify_costs(model, context, range(1, k_max + 2)), context_tokens=target)
+    def compiled(seconds: float) -> None:  # compile time spent while the costs were measured
+        state.costs_compile_seconds += seconds
+
+    state.costs = CostModel(measure_verify_costs(model, context, range(1, k_max + 2), compile=compile,
+                                                 on_compile=compiled), context_tokens=target)
     cal_ks = sorted({1, max(ks)})
     for name, prop in proposers.items():
-        per_call = measure_draft_costs(model, prop, prompt, cal_ks, min(max_new_tokens, 48), temperature, seed)
+        per_call = measure_draft_costs(model, prop, prompt, cal_ks, min(max_new_tokens, 48), temperature, seed,
+                                       compile, on_compile=compiled)
         state.draft_per_call[name] = per_call
         state.draft_fit[name] = fit_draft_cost(per_call)
 

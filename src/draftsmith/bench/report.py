@@ -86,6 +86,10 @@ def _row_report(state: BenchState, r: int, cfg: BenchConfig) -> dict[str, Any] |
         "identical_output_rate": None, "identical_prompts": None, "outputs": None,
         "peak_rss_bytes": max((x.peak_rss for x in runs if x.peak_rss is not None), default=None),
         "peak_cuda_bytes": max((x.peak_cuda for x in runs if x.peak_cuda is not None), default=None),
+        # one-off compile time (--compile): its warm-up run's and any in timed runs (kept out of their timings)
+        "compile_seconds": state.warmup_compile_seconds.get(r, 0.0)
+        + sum(float((x.stats or {}).get("compile_seconds", 0.0)) for x in runs),
+        "engine_path": sorted({str(x.stats["engine"]) for x in runs if x.stats and "engine" in x.stats}),
         "per_prompt": [{"prompt": state.prompts[p][0], "prompt_tokens": len(state.prompts[p][1]),
                         "new_tokens": len(state.results[(r, p)][0].token_ids),
                         "seconds": [x.seconds for x in state.results[(r, p)]]} for p in done],
@@ -198,7 +202,8 @@ def build_report(state: BenchState, cfg: BenchConfig, provenance: dict[str, Any]
         "rows": rows,
         "costs": None if c is None else {
             "context_tokens": c.context_tokens, "t1_seconds": c.t1,
-            "t_verify_seconds": {str(n): t for n, t in c.t_verify.items()}},
+            "t_verify_seconds": {str(n): t for n, t in c.t_verify.items()},
+            "compile_seconds": state.costs_compile_seconds},
         "break_even": _break_even(state, rows, cfg),
         "engine_agreement": engine_agreement(rows),
         "which_to_choose": which_to_choose(rows, cfg.temperature),
@@ -324,8 +329,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     device = env.get("cuda") or f"{env.get('cpu_model') or env.get('processor')} ({env.get('torch_threads')} threads)"
     lines = [f"# draftsmith bench: {prov.get('verifier', '?')} on {prov.get('dataset', cfg['dataset'])}", "",
              f"{report['prompts']['measured']} prompts x {cfg['max_new_tokens']} new tokens, {temp}, "
-             f"{cfg['repeats']} repeat(s); {device}, {prov.get('dtype', '?')}; "
-             f"verifier {prov.get('fingerprint', '?')}"]
+             f"{cfg['repeats']} repeat(s); {device}, {prov.get('dtype', '?')}"
+             + (", compiled steps (compile time kept out)" if prov.get("compile") else "")
+             + f"; verifier {prov.get('fingerprint', '?')}"]
     load, cpus = report["load_average"]["start"], env.get("cpu_count") or 1
     if load is not None and load > 0.25 * cpus:
         lines += ["", f"Note: the machine was busy at the start (load {load:.1f} on {cpus} CPUs); "

@@ -56,6 +56,9 @@ class BenchSettings:
                               help="also measure the verifier quantized, plainly and with each drafter: "
                                    + "; ".join(f"{k} ({v[1]})" for k, v in QUANTIZATIONS.items())
                                    + ". Faster, not lossless: the report says what it changes")
+    compile: bool = opt(False, "decode our engine's rows (plain and every drafter) with compiled steps "
+                               "(torch.compile; CUDA graphs on CUDA), step costs included; compile time is kept "
+                               "out of the timings and reported apart; HF rows run as users run them (eager)")
     draft_precision: list[str] = opt(
         default_factory=lambda: ["as-loaded"],
         help="precision(s) of the EAGLE-3 drafts in our engine, side by side: "
@@ -154,7 +157,7 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
                cfg: BenchConfig, out_dir: Path, provenance: dict[str, Any] | None, draft_dirs: dict[str, Path],
                servers: contextlib.ExitStack) -> dict[str, Any]:
     proposers = with_draft_precisions(proposers, cfg.draft_precision)
-    rows = build_rows(model, proposers, cfg.num_draft_tokens, cfg.hf_reference, cfg.hf_lookup_tokens)
+    rows = build_rows(model, proposers, cfg.num_draft_tokens, cfg.hf_reference, cfg.hf_lookup_tokens, cfg.compile)
     if OURS not in cfg.engines:
         rows = rows[:1]  # our plain row stays: the verdicts and the cost model rest on it
     rows += quantized_rows(model, proposers, cfg.num_draft_tokens, cfg.quantize)
@@ -164,7 +167,7 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
     param = next(model.parameters())
     layout = cfg.weight_layout
     provenance = {**(provenance or {}), "dtype": str(param.dtype).removeprefix("torch."), "device": str(param.device),
-                  "weight_layout": layout, "draft_precision": cfg.draft_precision}
+                  "weight_layout": layout, "draft_precision": cfg.draft_precision, "compile": cfg.compile}
     # every row decodes inside the block (the quantized rows hold their own copies, made above);
     # the EAGLE-3 drafts' weights are held the same way, so draft and verifier steps stay comparable
     drafts = [p.draft for p in proposers.values() if isinstance(getattr(p, "draft", None), torch.nn.Module)]
@@ -193,7 +196,8 @@ def _measure(state: BenchState, model: torch.nn.Module, proposers: dict[str, Pro
     try:
         if cfg.progress:
             print("bench: measuring verifier and draft step costs ...", file=sys.stderr)
-        measure_costs(state, proposers, cfg.num_draft_tokens, cfg.max_new_tokens, cfg.temperature, cfg.seed)
+        measure_costs(state, proposers, cfg.num_draft_tokens, cfg.max_new_tokens, cfg.temperature, cfg.seed,
+                      cfg.compile)
         measure_interleaved(state, cfg.max_new_tokens, cfg.temperature, cfg.repeats, cfg.seed,
                             progress=cfg.progress, warmup_tokens=cfg.warmup_tokens)
         if cfg.temperature == 0:
