@@ -448,6 +448,7 @@ def measure_costs(state: BenchState, proposers: dict[str, Proposer], ks: Sequenc
     if limit is not None:
         target = min(target, limit - k_max - 2)
     context = (prompt * (target // len(prompt) + 1))[:target]
+
     def compiled(seconds: float) -> None:  # compile time spent while the costs were measured
         state.costs_compile_seconds += seconds
 
