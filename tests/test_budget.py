@@ -309,3 +309,15 @@ def test_bench_rows_count_every_precision_quantization_and_reference():
     assert bench_row_count(two, drafts=1) == 1 + 4 + 2
     q = BenchSettings(num_draft_tokens=[3], hf_reference=False, quantize=["int8"])
     assert bench_row_count(q, drafts=1) == 1 + 1 + (1 + 1)
+
+
+def test_plan_reserves_the_bench_compile_time():
+    plain = B.make_plan(20, FAST, **KW)
+    compiled = B.make_plan(20, FAST, **KW, bench_compile_seconds=150.0)
+    assert compiled.predicted_total * B.SAFETY <= 20 * 60 * 1.001  # still fits
+    # the bench's prediction holds the compile time beside its prompts' decoding ...
+    assert compiled.predicted_seconds["bench"] == pytest.approx(
+        150.0 + B.bench_seconds(FAST, compiled.bench_prompts, KW["bench_max_new_tokens"], KW["bench_rows"], 1))
+    # ... paid for with fewer bench prompts or conversations (the bench keeps its share of the budget)
+    assert (compiled.bench_prompts, compiled.num_conversations) < (plain.bench_prompts, plain.num_conversations)
+    assert B.make_plan(20, FAST, **KW, bench_compile_seconds=0.0) == plain  # negative control: nothing reserved

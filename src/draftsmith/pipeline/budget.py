@@ -44,6 +44,10 @@ KEPT_SAMPLE = 256  # prompts tokenized to measure the share regeneration keeps
 #: predicted minutes are multiplied by this before they are compared with the budget (a
 #: plan that fits exactly on a quiet machine overruns on a busy one)
 SAFETY = 1.1
+#: one-off compile time the bench reserves with ``bench.compile``: the verifier's graphs and each
+#: draft's (measured on SPR: 117 s for SmolLM2-135M and two drafts; the verifier alone 64.5 s)
+COMPILE_VERIFIER_SECONDS = 90.0
+COMPILE_DRAFT_SECONDS = 30.0
 #: reply lengths of the regeneration calibration (tokens): fixed cost and cost per decode step
 SHORT_REPLY, LONG_REPLY = 2, 18
 #: training steps the calibration times, and how many of them are warm-up (not counted)
@@ -128,13 +132,14 @@ def bench_seconds(rates: Rates, prompts: int, max_new_tokens: int, rows: int, re
 
 def make_plan(budget_minutes: float, rates: Rates, *, max_new_tokens: int, epochs: float, pack_tokens: int,
               bench_max_new_tokens: int, bench_rows: int, repeats: int = 1,
-              machine: dict[str, Any] | None = None, min_prompts: int = MIN_BENCH_PROMPTS) -> Plan:
+              machine: dict[str, Any] | None = None, min_prompts: int = MIN_BENCH_PROMPTS,
+              bench_compile_seconds: float = 0.0) -> Plan:
     """Size the run so that its predicted time (times :data:`SAFETY`) fits ``budget_minutes``.
 
     The bench gets up to :data:`BENCH_SHARE` of the budget (at least ``min_prompts``
     prompts; the gate judges on half of them when several k are measured); data and training share the rest at the asked ``epochs``, so the number of
     conversations is what remains divided by one conversation's regeneration, capture and
-    training cost.
+    training cost. ``bench_compile_seconds`` is reserved for compiling the bench's steps once.
 
     Raises:
         DraftsmithError: the budget cannot hold the smallest useful run; the message
@@ -152,7 +157,7 @@ def make_plan(budget_minutes: float, rates: Rates, *, max_new_tokens: int, epoch
                 "train": kept * epochs * (rates.prompt_tokens + reply) * rates.train_per_position}
     one_bench_prompt = bench_seconds(rates, 1, bench_max_new_tokens, bench_rows, repeats) - \
         bench_seconds(rates, 0, bench_max_new_tokens, bench_rows, repeats)
-    bench_fixed = bench_seconds(rates, 0, bench_max_new_tokens, bench_rows, repeats)
+    bench_fixed = bench_seconds(rates, 0, bench_max_new_tokens, bench_rows, repeats) + bench_compile_seconds
     fixed = rates.load_seconds
     # a regeneration batch is paid whole even when it is not full
     min_batch = rates.regen_batch_fixed + reply * rates.regen_batch_per_token
@@ -389,11 +394,15 @@ def plan_for(cfg: Any, v: Any, vd: Any, out: Path, say: Any = print) -> Plan:
         return plan
     say(f"[plan] measuring this machine for a {cfg.budget:g}-minute budget ...")
     rates = calibrate(vd, v, cfg.data, cfg.train, cfg.bench, Path(out) / "calibration")
-    rows = bench_row_count(cfg.bench, drafts=2 if cfg.previous_draft else 1)
+    drafts = 2 if cfg.previous_draft else 1
+    rows = bench_row_count(cfg.bench, drafts=drafts)
+    compile_s = (COMPILE_VERIFIER_SECONDS + COMPILE_DRAFT_SECONDS * drafts * len(cfg.bench.draft_precision)
+                 if cfg.bench.compile else 0.0)
     plan = make_plan(cfg.budget, rates, max_new_tokens=cfg.data.max_new_tokens, epochs=cfg.train.epochs,
                      pack_tokens=cfg.train.pack_tokens, bench_max_new_tokens=cfg.bench.max_new_tokens,
                      bench_rows=rows, repeats=cfg.bench.repeats, machine=key["machine"],
-                     min_prompts=MIN_BENCH_PROMPTS if len(cfg.bench.num_draft_tokens) == 1 else 2 * MIN_JUDGED_PROMPTS)
+                     min_prompts=MIN_BENCH_PROMPTS if len(cfg.bench.num_draft_tokens) == 1 else 2 * MIN_JUDGED_PROMPTS,
+                     bench_compile_seconds=compile_s)
     save_plan(path, key, plan)
     return plan
 
