@@ -368,6 +368,9 @@ def section_draft(args, model, out: dict) -> None:
     res["draft_chain"] = K
     res["median_ms"] = mean  # verifier: one step; drafts: the mean step of a chain of K after a verifier step
     res["first_step_ms"] = first  # drafts: the chain's first step (weights cold)
+    if K > 1:  # drafts: the chain's later steps (what each extra drafted token costs)
+        res["later_steps_ms"] = {k: 1e3 * statistics.median(statistics.fmean(c[1:]) for c in v)
+                                 for k, v in times.items() if not k.startswith("verifier")}
 
     def over(ms: dict[str, float]) -> dict[str, float]:
         # a compiled draft step over the compiled verifier step, an eager one over the eager
@@ -376,6 +379,8 @@ def section_draft(args, model, out: dict) -> None:
 
     res["draft_over_verifier"] = over(mean)
     res["first_step_over_verifier"] = over(first)
+    if K > 1:
+        res["later_steps_over_verifier"] = over({**res["later_steps_ms"], **{v: mean[v] for v in verifiers}})
     res["target_5pct"] = {k: v <= 0.05 for k, v in res["draft_over_verifier"].items()}
     # The floor a step can reach: its share of the matmul weights a verifier step reads
     # (a one-token step is a chain of GEMVs, bound by the weights it reads).
@@ -572,6 +577,9 @@ def report(out: dict) -> None:
         if "first_step_over_verifier" in d:
             print("  the chain's first step (weights cold) / verifier step: "
                   + "  ".join(f"{k}: {100 * v:.1f}%" for k, v in d["first_step_over_verifier"].items()))
+        if "later_steps_over_verifier" in d:
+            print("  the chain's later steps / verifier step: "
+                  + "  ".join(f"{k}: {100 * v:.1f}%" for k, v in d["later_steps_over_verifier"].items()))
         print("  its share of the weights a verifier step reads (the floor): "
               + "  ".join(f"{k}: {100 * v:.1f}%" for k, v in d["weight_share"].items()))
     if "layout" in out:
