@@ -18,7 +18,7 @@ import torch
 
 from conftest import require_engine, smollm2_tokenizer
 from draft_factory import random_draft, tiny_verifier
-from draftsmith.cli import main
+from draftsmith.cli import EXIT_ERROR, main
 from draftsmith.engines.llamacpp import (LlamaCppEngine, check_gguf_pair, draft_gguf, export_gguf, find_build,
                                         parse_metrics, read_gguf, verifier_gguf)
 from draftsmith.errors import DraftsmithError
@@ -152,6 +152,28 @@ def test_gguf_pair_check_refuses_a_draft_for_another_verifier(exported, tmp_path
 
 
 # ---------------------------------------------------------------------------- serving
+def test_q8_0_export_quantizes_the_draft_and_serves_the_same_output(exported, runs):
+    """--dtype q8_0: the head and layer matrices stored as llama.cpp's 8-bit blocks; served, the
+    output is still plain decoding's (the draft only proposes)."""
+    out = exported["tmp"] / "draft-q8_0.gguf"
+    assert main(["export", str(exported["src"]), "--out", str(out), "--format", "gguf", "--dtype", "q8_0"]) == 0
+    g = read_gguf(out)
+    assert g.tensors["output.weight"][0] == 8 and g.tensors["fc.weight"][0] == 8  # GGML_TYPE_Q8_0
+    assert out.stat().st_size < 0.4 * exported["gguf"].stat().st_size  # ~8.5 bits a weight against 32
+    with pytest.raises(DraftsmithError, match="not a plain one"):  # its blocks are no float array
+        g.array("output.weight")
+    with LlamaCppEngine("smollm2-135m", draft=out, k=K, threads=1, ctx_size=512,
+                        work_dir=exported["tmp"] / "logs") as eng:
+        spec = [eng.generate(p, NEW_TOKENS, ignore_eos=True) for p in runs["prompts"]]
+    for i, (plain, r) in enumerate(zip(runs["plain"], spec)):
+        assert r.token_ids == plain.token_ids, f"prompt {i}: " + _first_divergence(plain.token_ids, r.token_ids)
+        assert r.counters.drafts > 0
+
+
+def test_q8_0_is_a_gguf_type_only(exported, tmp_path):
+    assert main(["export", str(exported["src"]), "--out", str(tmp_path / "d"), "--dtype", "q8_0"]) == EXIT_ERROR
+
+
 def _first_divergence(a: list[int], b: list[int]) -> str:
     i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     return (f"first divergence at new token {i}: plain {a[i] if i < len(a) else 'end'} vs "

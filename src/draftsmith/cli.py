@@ -140,11 +140,15 @@ class ExportConfig:
                                           "verifier the draft names")
     verifier: str | None = opt(None, "verifier to check the draft against (HF dir, .gguf, alias); omitted: the "
                                      "named verifier when it is on this machine (required there for gguf)")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt("auto", "weight dtype; auto keeps the draft's")
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "q8_0"] = opt(
+        "auto", "weight dtype; auto keeps the draft's; q8_0 (--format gguf only): 8-bit blocks of 32 weights, "
+                "the int8 precision llama.cpp serves")
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
             raise DraftsmithError(f"--num-draft-tokens must be >= 1, got {self.num_draft_tokens}")
+        if self.dtype == "q8_0" and self.format != "gguf":
+            raise DraftsmithError("--dtype q8_0 is a GGUF type (llama.cpp); use it with --format gguf")
         if self.format == "gguf":
             for flag, value in (("--num-draft-tokens", self.num_draft_tokens), ("--verifier-name", self.verifier_name)):
                 if value is not None:

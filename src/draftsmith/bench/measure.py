@@ -223,8 +223,12 @@ class EngineRow(Row):
 
 def engine_rows(stack: contextlib.ExitStack, engines: Sequence[str], model: torch.nn.Module, verifier: str,
                 drafts: dict[str, Path], ks: Sequence[int], work_dir: Path,
-                threads: int | None = None) -> list[Row]:
-    """Start each serving engine plainly and with each draft at each k (stopped by ``stack``)."""
+                threads: int | None = None, precisions: Sequence[str] = ("as-loaded",)) -> list[Row]:
+    """Start each serving engine plainly and with each draft at each k (stopped by ``stack``).
+
+    ``precisions`` as ``--draft-precision``: llama.cpp serves ``int8`` as a q8_0 GGUF of the
+    draft (labelled as our engine's int8 rows); vLLM serves the draft as loaded only.
+    """
     from draftsmith.engines import open_engine
 
     rows: list[Row] = []
@@ -237,10 +241,20 @@ def engine_rows(stack: contextlib.ExitStack, engines: Sequence[str], model: torc
         print(f"bench: starting {engine} (plain) ...", file=sys.stderr)
         rows.append(EngineRow(f"{engine} plain", "plain", model, start(), engine))
         for label, d in drafts.items():
-            for k in ks:
-                print(f"bench: starting {engine} with {label} at k={k} ...", file=sys.stderr)
-                rows.append(EngineRow(f"{engine} {label} k={k}", "drafter", model, start(d, k), engine,
-                                      drafter=label, k=k))
+            for i, precision in enumerate(precisions):
+                name = label if i == 0 else f"{label}@{precision}"
+                served: Any = d
+                if precision == "int8":
+                    if engine != "llama.cpp":
+                        print(f"bench: {engine} serves drafts as loaded; no {name} rows there", file=sys.stderr)
+                        continue
+                    from draftsmith.engines.llamacpp import draft_gguf
+
+                    served = draft_gguf(d, verifier, dtype="q8_0")
+                for k in ks:
+                    print(f"bench: starting {engine} with {name} at k={k} ...", file=sys.stderr)
+                    rows.append(EngineRow(f"{engine} {name} k={k}", "drafter", model, start(served, k), engine,
+                                          drafter=name, k=k))
     return rows
 
 

@@ -162,7 +162,7 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
         rows = rows[:1]  # our plain row stays: the verdicts and the cost model rest on it
     rows += quantized_rows(model, proposers, cfg.num_draft_tokens, cfg.quantize)
     rows += engine_rows(servers, cfg.engines, model, cfg.verifier, draft_dirs, cfg.num_draft_tokens,
-                        Path(out_dir) / "engine-logs", cfg.threads)
+                        Path(out_dir) / "engine-logs", cfg.threads, cfg.draft_precision)
     state = BenchState(rows, prompts)
     param = next(model.parameters())
     layout = cfg.weight_layout

@@ -61,6 +61,8 @@ SETUP_HINT = ("run `make setup-llamacpp` (builds llama-server from the pinned ll
 # rope types llama.cpp's converter writes and its graph computes as transformers does
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # torch dtype name -> converter --outtype
+#: quantized GGUF drafts the exporter writes: name -> ggml type id of the quantized weights
+GGUF_QUANTS = {"q8_0": 8}
 
 
 # ============================================================================ the build
@@ -303,7 +305,8 @@ def read_gguf(path: str | Path) -> GGUFInfo:
     return GGUFInfo(path, meta, {name: (kind, shape, data + off) for name, kind, shape, off in infos})
 
 
-def check_draft_gguf(path: str | Path, cfg: Any, draft_to_target: Sequence[int] | None = None) -> None:
+def check_draft_gguf(path: str | Path, cfg: Any, draft_to_target: Sequence[int] | None = None,
+                     quant: str | None = None) -> None:
     """Check that a converted draft GGUF says what the draft's config says.
 
     Args:
@@ -311,6 +314,7 @@ def check_draft_gguf(path: str | Path, cfg: Any, draft_to_target: Sequence[int] 
         cfg: the draft's :class:`~draftsmith.models.eagle3.Eagle3Config`.
         draft_to_target: the verifier id of every draft id (checked against the file's
             ``d2t``, which llama.cpp stores as absolute ids); None when Vd == V.
+        quant: a key of :data:`GGUF_QUANTS`: the head must be stored in that type.
 
     Raises:
         DraftsmithError: naming the first disagreement.
@@ -339,6 +343,9 @@ def check_draft_gguf(path: str | Path, cfg: Any, draft_to_target: Sequence[int] 
     for name, shape in want_shapes.items():
         if name not in tensors or tensors[name][1] != shape:
             raise DraftsmithError(f"{path}: tensor {name} is {tensors.get(name)}, expected shape {shape}")
+    if quant is not None and g.tensors["output.weight"][0] != GGUF_QUANTS[quant]:
+        raise DraftsmithError(f"{path}: output.weight has ggml type {g.tensors['output.weight'][0]}, not {quant} "
+                              f"({GGUF_QUANTS[quant]}): the converter did not quantize the draft")
     if draft_to_target is not None and (
             "d2t" not in g.tensors or not np.array_equal(g.array("d2t").reshape(-1), np.asarray(draft_to_target))):
         raise DraftsmithError(f"{path}: d2t does not map the draft vocabulary onto the verifier ids the draft uses")
@@ -410,8 +417,10 @@ def verifier_gguf(spec: str | os.PathLike, build: LlamaCppBuild | None = None) -
     return out
 
 
-def draft_gguf(draft: str | os.PathLike, verifier: str, build: LlamaCppBuild | None = None) -> Path:
-    """The GGUF of a draft: a ``.gguf`` file as is, a speculators directory exported once (cached)."""
+def draft_gguf(draft: str | os.PathLike, verifier: str, build: LlamaCppBuild | None = None,
+               dtype: str | None = None) -> Path:
+    """The GGUF of a draft: a ``.gguf`` file as is, a speculators directory exported once (cached)
+    in ``dtype`` (:func:`export_gguf`; None: the draft's own)."""
     path = Path(draft).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -420,9 +429,9 @@ def draft_gguf(draft: str | os.PathLike, verifier: str, build: LlamaCppBuild | N
     if not (path / "config.json").is_file():
         raise DraftsmithError(f"draft {str(draft)!r} is neither a .gguf file nor a draft directory with config.json")
     key = hashlib.sha256(f"{_dir_key(path)}|{verifier}".encode()).hexdigest()[:16]
-    out = cache_dir() / "llamacpp" / "drafts" / f"{path.resolve().name}-{key}.gguf"
+    out = cache_dir() / "llamacpp" / "drafts" / f"{path.resolve().name}-{key}{'-' + dtype if dtype else ''}.gguf"
     if not out.is_file():
-        export_gguf(path, out, verifier=verifier, build=build)
+        export_gguf(path, out, verifier=verifier, build=build, dtype=dtype)
     return out
 
 
@@ -453,7 +462,9 @@ def export_gguf(draft_dir: str | Path, out: str | Path, *, verifier: str | None 
         draft_dir: a speculators-format EAGLE-3 draft directory.
         out: the ``.gguf`` file to write.
         verifier: the verifier (alias, .gguf, HF directory); default: the one the draft names.
-        dtype: weight dtype (None/"auto": the draft's own).
+        dtype: weight dtype (None/"auto": the draft's own), or ``q8_0``: the converter quantizes
+            the draft's matrices to 8 bits per weight in blocks of 32 (one scale each), the
+            precision llama.cpp users often serve a draft in.
         build: a :class:`~draftsmith.engines.llamacpp.LlamaCppBuild` (default: the Makefile's).
 
     Returns:
@@ -488,16 +499,18 @@ def export_gguf(draft_dir: str | Path, out: str | Path, *, verifier: str | None 
     validate_against_verifier(cfg, vconfig, what=f"draft {str(src)!r} (for verifier {name!r})")
     draft = read_draft(src, verifier_layers=layers)
     check_draft_supported(draft.config, has_embedding=not draft.embed_tokens_from_verifier, what=f"draft {str(src)!r}")
-    wdtype = weight_dtype(dtype, draft.fc.weight.dtype)
+    quant = dtype if dtype in GGUF_QUANTS else None
+    wdtype = torch.float32 if quant else weight_dtype(dtype, draft.fc.weight.dtype)  # q8_0 from float32
     d2t = draft.draft_to_target.tolist() if cfg.draft_vocab_size < cfg.vocab_size else None
     staged_gguf = out.with_name(f".{out.name}.{os.getpid()}.staged")
     try:
         with tempfile.TemporaryDirectory(prefix="draftsmith-gguf-") as tmp:
             # the converter reads exactly what we validated: our own speculators write of the draft
             staged = write_draft(draft, Path(tmp) / "draft", verifier_name=str(vdir), dtype=wdtype, verifier=vconfig)
-            convert_hf_to_gguf(staged, staged_gguf, outtype=OUTTYPES[DTYPE_NAMES[wdtype]], target_model_dir=vdir,
+            outtype = quant or OUTTYPES[DTYPE_NAMES[wdtype]]
+            convert_hf_to_gguf(staged, staged_gguf, outtype=outtype, target_model_dir=vdir,
                                build=build, log_path=cache_dir() / "llamacpp" / "logs" / f"convert-{out.stem}.log")
-        check_draft_gguf(staged_gguf, draft.config, d2t)
+        check_draft_gguf(staged_gguf, draft.config, d2t, quant)
         os.replace(staged_gguf, out)
     finally:
         staged_gguf.unlink(missing_ok=True)
