@@ -99,11 +99,16 @@ def test_ttt_attention_blocks_match_one_block_with_gradients():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 @pytest.mark.parametrize("vd", [None, 64])
-def test_greedy_equivalence_eagle3(arch, vd):
+@pytest.mark.parametrize("precision", ["as-loaded", "int8"])
+def test_greedy_equivalence_eagle3(arch, vd, precision):
+    """Speculative output equals plain decoding, with the draft as loaded and at int8 (its
+    precision changes what it proposes, never what is output)."""
+    from draftsmith.models.quantize import quantize_draft
+
     verifier = tiny_model(arch)
     d = _draft(verifier, vd=vd)
     d.config.aux_layer_ids = [0, 1, 2]
-    prop = Eagle3Proposer(d)
+    prop = Eagle3Proposer(quantize_draft(d, precision))
     for seed in range(2):
         prompt = torch.randint(2, 128, (10,), generator=torch.Generator().manual_seed(seed)).tolist()
         plain = generate(verifier, prompt, max_new_tokens=30, eos_token_id=[]).token_ids

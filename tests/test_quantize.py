@@ -304,29 +304,18 @@ def test_quantize_draft_int8_swaps_the_step_layers_and_keeps_the_original():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
-def test_speculative_decoding_with_an_int8_draft_is_lossless(arch):
-    """The draft's precision changes what it proposes, never what is output."""
+def test_an_int8_draft_proposes_from_other_logits(arch):
+    """Not the float draft under another name: its logits move by the int8 rounding, a little.
+    (That its speculative output is plain decoding's: test_eagle3.test_greedy_equivalence_eagle3.)"""
     from draft_factory import random_draft
-    from draftsmith.decoding.proposers import Eagle3Proposer
 
-    verifier = tiny_model(arch)
-    d = random_draft(verifier, vd=64, aux_layer_ids=[0, 1, 1])
-    d.config.aux_layer_ids = [0, 1, 2]
+    d = random_draft(tiny_model(arch), vd=64, aux_layer_ids=[0, 1, 1])
     q = quantize_draft(d, "int8")
-    # not the float draft under another name: its logits move by the int8 rounding
     ids, hidden, pos = torch.tensor([[3, 7, 9]]), torch.randn(1, 3, d.config.hidden_size), torch.arange(1, 4)[None]
     with torch.no_grad():
         lf, _ = d.step(ids, hidden, pos, d.new_cache(8))
         lq, _ = q.step(ids, hidden, pos, q.new_cache(8))
     assert 0 < float((lf - lq).abs().max()) < 0.1 * float(lf.abs().max())
-    prop = Eagle3Proposer(q)
-    for seed in range(2):
-        prompt = torch.randint(2, 128, (10,), generator=torch.Generator().manual_seed(seed)).tolist()
-        plain = generate(verifier, prompt, max_new_tokens=30, eos_token_id=[]).token_ids
-        for k in (1, 4):
-            out = generate(verifier, prompt, proposer=prop, max_new_tokens=30, num_draft_tokens=k, eos_token_id=[])
-            assert out.token_ids == plain
-            assert out.stats["drafts"] > 0
 
 
 def test_bench_draft_precisions_label_the_rows(tmp_path):
