@@ -1,4 +1,5 @@
-"""Quantized copies of a verifier: the alternative to a draft that is faster but not lossless.
+"""Quantized copies of a verifier (the alternative to a draft that is faster but not lossless),
+and the int8 draft of ``--draft-precision`` (:func:`quantize_draft`: faster, still lossless).
 
 ``int8`` (CPU): W8A8 with dynamic *per-token* activation scales. Every ``nn.Linear``
 (the decoder's projections and the output head) keeps its weight as int8 with one
@@ -88,8 +89,8 @@ class Int8WeightLinear(torch.nn.Module):
 
     ``y = (bf16(x) @ round(W / s_w)^T) * s_w + b`` through ``torch._weight_int8pack_mm``, ATen's
     CPU kernel for weight-only int8 (the one gpt-fast decodes with): it reads a quarter of the
-    bytes of a float32 GEMV and is 2.3x faster than it for an 8192 x 576 head at one row on SPR
-    (BENCHMARKS.md 14). Its output is bfloat16, returned in the input's dtype. Meant for the
+    bytes of a float32 GEMV and was 1.8-2.4x faster than it for an 8192 x 576 head at one row on
+    SPR (BENCHMARKS.md 14). Its output is bfloat16, returned in the input's dtype. Meant for the
     draft, whose numerics change only which tokens it proposes: the verifier still decides every
     token, so output stays lossless.
 
