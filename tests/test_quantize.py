@@ -354,6 +354,9 @@ def test_load_draft_at_int8_from_a_saved_draft(tmp_path):
     as_loaded = build_proposer(str(path), verifier, None)
     q = build_proposer(str(path), verifier, None, draft_precision="int8")
     assert type(as_loaded.draft.lm_head) is torch.nn.Linear and isinstance(q.draft.lm_head, Int8WeightLinear)
+    with pytest.raises(DraftsmithError, match="applies to an EAGLE-3 draft directory"):  # not silently ignored
+        build_proposer("ngram", verifier, None, draft_precision="int8")
+    assert isinstance(build_proposer("ngram", verifier, None), NgramProposer)
     prompt = list(range(2, 14))
     plain = generate(verifier, prompt, max_new_tokens=20, eos_token_id=[]).token_ids
     assert generate(verifier, prompt, proposer=q, max_new_tokens=20, num_draft_tokens=3,

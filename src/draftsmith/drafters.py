@@ -29,6 +29,9 @@ def build_proposer(spec: str | None, verifier: torch.nn.Module, tokenizer: objec
     ``draft_precision`` applies to an EAGLE-3 draft directory (:func:`load_draft`)."""
     if spec is None or spec in {"", "none"}:
         return None
+    if draft_precision != "as-loaded" and not Path(spec).is_dir():
+        raise DraftsmithError(f"--draft-precision {draft_precision} applies to an EAGLE-3 draft directory, "
+                              f"not to --drafter {spec!r}")
     if spec == "ngram" or spec.startswith("ngram:"):
         max_n = spec.partition(":")[2]
         if max_n and not max_n.isdigit():
