@@ -221,6 +221,12 @@ class EngineRow(Row):
         return res.token_ids, stats, []
 
 
+def precision_label(label: str, precisions: Sequence[str], precision: str) -> str:
+    """A draft's row label at ``precision``: the first of ``precisions`` keeps ``label``, the others
+    are ``LABEL@PRECISION`` (our engine's rows and the serving engines' alike)."""
+    return label if precision == precisions[0] else f"{label}@{precision}"
+
+
 def engine_rows(stack: contextlib.ExitStack, engines: Sequence[str], model: torch.nn.Module, verifier: str,
                 drafts: dict[str, Path], ks: Sequence[int], work_dir: Path,
                 threads: int | None = None, precisions: Sequence[str] = ("as-loaded",)) -> list[Row]:
@@ -241,8 +247,8 @@ def engine_rows(stack: contextlib.ExitStack, engines: Sequence[str], model: torc
         print(f"bench: starting {engine} (plain) ...", file=sys.stderr)
         rows.append(EngineRow(f"{engine} plain", "plain", model, start(), engine))
         for label, d in drafts.items():
-            for i, precision in enumerate(precisions):
-                name = label if i == 0 else f"{label}@{precision}"
+            for precision in precisions:
+                name = precision_label(label, precisions, precision)
                 served: Any = d
                 if precision == "int8":
                     if engine != "llama.cpp":
@@ -434,10 +440,10 @@ def measure_interleaved(state: BenchState, max_new_tokens: int, temperature: flo
     n_rows = len(state.rows)
     total = n_rows * (1 + repeats * len(prompts))
     with progress_bar(total, "bench", "run", progress, file=sys.stderr) as bar:
-        for row in state.rows:
+        for r, row in enumerate(state.rows):
             bar.set_postfix_str(f"warm-up {row.name}")
             _, stats, _ = row(prompts[0], min(warmup_tokens, max_new_tokens), temperature, seed)
-            state.warmup_compile_seconds[state.rows.index(row)] = float((stats or {}).get("compile_seconds", 0.0))
+            state.warmup_compile_seconds[r] = float((stats or {}).get("compile_seconds", 0.0))
             bar.update()
         for _ in range(repeats):
             for p, ids in enumerate(prompts):

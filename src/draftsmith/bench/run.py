@@ -11,7 +11,8 @@ from typing import Any, Literal
 import torch
 
 from draftsmith.bench.measure import (BenchState, build_rows, engine_rows, judge_outputs, judge_quality,
-                                      load_eval_prompts, measure_costs, measure_interleaved, quantized_rows)
+                                      load_eval_prompts, measure_costs, measure_interleaved, precision_label,
+                                      quantized_rows)
 from draftsmith.bench.report import build_report, render_markdown, write_report
 from draftsmith.config import opt
 from draftsmith.decoding.proposers import Eagle3Proposer, Proposer
@@ -185,9 +186,9 @@ def with_draft_precisions(proposers: dict[str, Proposer], precisions: list[str])
         if not isinstance(prop, Eagle3Proposer):
             out[label] = prop
             continue
-        for i, precision in enumerate(precisions):
+        for precision in precisions:
             draft = quantize_draft(prop.draft, precision)
-            out[label if i == 0 else f"{label}@{precision}"] = prop if draft is prop.draft else Eagle3Proposer(draft)
+            out[precision_label(label, precisions, precision)] = prop if draft is prop.draft else Eagle3Proposer(draft)
     return out
 
 

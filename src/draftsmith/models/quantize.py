@@ -33,6 +33,7 @@ capability 8.0 or newer. Not tested here (no GPU on the development machines).
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 import torch
 
@@ -163,13 +164,10 @@ def quantize_draft(draft: torch.nn.Module, precision: str) -> torch.nn.Module:
         raise DraftsmithError(f"--draft-precision int8 runs on CPU (ATen's int8 weight-only kernel); the draft "
                               f"is on {device}, where it runs in the verifier's dtype")
     q = copy.deepcopy(draft)
-    n = 0
-    for parent in [*q.layers.modules(), q]:
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear and (parent is not q or name == "lm_head") \
-                    and int8_weight_only_usable(child):
-                setattr(parent, name, Int8WeightLinear(child))
-                n += 1
+    n = _swap_linears(q.layers, Int8WeightLinear, int8_weight_only_usable)
+    if int8_weight_only_usable(q.lm_head):
+        q.lm_head = Int8WeightLinear(q.lm_head)
+        n += 1
     if n == 0:
         raise DraftsmithError("--draft-precision int8: no layer of the draft fits the int8 kernel "
                               "(input widths must be multiples of 16)")
@@ -182,15 +180,18 @@ def rounds_activations(model: torch.nn.Module) -> bool:
     return any(getattr(mod, "rounds_activations", False) for mod in model.modules())
 
 
-def _swap_linears(module: torch.nn.Module) -> int:
-    """Replace every ``nn.Linear`` below ``module`` with :class:`Int8Linear`; returns how many."""
+def _swap_linears(module: torch.nn.Module, make: type = Int8Linear,
+                  takes: Callable[[torch.nn.Linear], bool] = lambda _: True) -> int:
+    """Replace every ``nn.Linear`` below ``module`` that ``takes`` accepts with ``make(linear)``;
+    returns how many."""
     n = 0
     for name, child in module.named_children():
         if type(child) is torch.nn.Linear:
-            setattr(module, name, Int8Linear(child))
-            n += 1
+            if takes(child):
+                setattr(module, name, make(child))
+                n += 1
         else:
-            n += _swap_linears(child)
+            n += _swap_linears(child, make, takes)
     return n
 
 
