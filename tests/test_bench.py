@@ -52,7 +52,7 @@ def test_perfect_drafter_reports_acceptance_length_k_plus_1(tiny):
     k, m = 3, 4
     row = Row("self", "drafter", tiny, drafter="self", k=k, proposer=DraftModelProposer(tiny))
     results = [timed_run(row, torch.tensor(ids), 1 + m * (k + 1), 0.0, seed=0) for _, ids in _prompts(2)]
-    acc = bench_report._pooled_acceptance(results, k)
+    acc = bench_report.pooled_acceptance(results, k)
     assert acc["acceptance_length"] == k + 1
     assert acc["acceptance_rate"] == 1.0
     assert acc["per_position_acceptance"] == [1.0] * k
@@ -225,6 +225,66 @@ def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
     assert "ngram k=3 parts from plain decoding at a numerical tie on 1 prompt(s) (largest margin 0.125" in md
     assert "MISMATCH: ngram k=3" not in md
     assert len(md.splitlines()) <= 40
+
+
+class _OracleDrafter(Proposer):
+    """Proposes plain decoding's own continuation, looked up (no model call): always accepted, ~free."""
+
+    def __init__(self, model, prompts, n: int) -> None:
+        from draftsmith import generate
+
+        self.cont = {tuple(ids): generate(model, ids, max_new_tokens=n + 8).token_ids for _, ids in prompts}
+
+    def propose(self, ctx, k, sampling, generator):
+        toks = ctx.tokens.tolist()
+        for p, c in self.cont.items():
+            if tuple(toks[:len(p)]) == p and len(toks) > len(p):
+                done = len(toks) - len(p)  # c[done - 1] is the pending token
+                return Proposal(torch.tensor(c[done:done + k], dtype=torch.long))
+        return Proposal(torch.empty(0, dtype=torch.long))
+
+
+def test_choose_k_times_the_predicted_best_k_only(tiny, tmp_path):
+    """--choose-k: a pilot decode on prompts that are neither timed nor judged picks one k per
+    drafter, the cost model's best: a free drafter that is always right gains with every
+    drafted token (the largest k), one that is never right only pays for them (the smallest)."""
+    ks = [1, 2, 4]
+    prompts = _prompts(4)
+    timed, pilot = prompts[:2], prompts[2:]
+    drafters = {"oracle": _OracleDrafter(tiny, prompts, 10), "wrong": _WrongDrafter()}
+    cfg = _cfg(tmp_path, num_draft_tokens=ks, choose_k=True, hf_reference=False)
+    report = benchmark(tiny, timed, drafters, cfg, tmp_path, {}, pilot=pilot)
+    choice = report["k_choice"]
+    assert choice["oracle"]["k"] == 4 and choice["wrong"]["k"] == 1
+    for name, c in choice.items():  # the choice is the prediction's argmax, over every candidate k
+        pred = {int(k): s for k, s in c["predicted_speedup"].items()}
+        assert sorted(pred) == ks and c["k"] == max(pred, key=pred.get), name
+        assert c["pilot_k"] == 4 and c["pilot_prompts"] == ["p2", "p3"]
+    # (the last round of a 10-token reply drafts fewer than 4)
+    assert choice["oracle"]["per_position_acceptance"][:3] == [1.0] * 3 and choice["oracle"]["acceptance_length"] > 4
+    assert choice["wrong"]["acceptance_length"] == 1.0
+    assert [r["name"] for r in report["rows"]] == ["plain (ours)", "oracle k=4", "wrong k=1"]
+    assert {p for r in report["rows"] for p in r["speedup"]["prompts"] or []} <= {"p0", "p1"}  # pilot not timed
+    from draftsmith.gate import summarize_drafter
+
+    summary = summarize_drafter(report, "oracle")
+    assert summary["k"] == 4 and "pilot decode on 2 prompt(s) that are not judged" in summary["k_selection"]
+    assert "k = 4 chosen before timing" in (tmp_path / "report.md").read_text()
+    # negative control: without --choose-k every k is timed and nothing was chosen
+    off = benchmark(tiny, timed, drafters, _cfg(tmp_path / "off", num_draft_tokens=ks, hf_reference=False),
+                    tmp_path / "off", {}, pilot=pilot)
+    assert off["k_choice"] == {} and len(off["rows"]) == 1 + 2 * len(ks)
+    with pytest.raises(DraftsmithError, match="no pilot prompts"):
+        benchmark(tiny, timed, drafters, cfg, tmp_path / "none", {})
+
+
+def test_bench_prompts_keeps_the_pilot_apart(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"question {i}"}) + "\n" for i in range(6)))
+    judged, pilot = measure.bench_prompts(str(f), _CharTokenizer(), 3, pilot=2)
+    assert [p for p, _ in judged] == ["q0", "q1", "q2"] and [p for p, _ in pilot] == ["q4", "q5"]
+    assert measure.bench_prompts(str(f), _CharTokenizer(), 3)[1] == []  # no pilot unless asked
+    assert measure.bench_prompts(str(f), _CharTokenizer(), 6, pilot=2)[1] == []  # none left: the bench refuses
 
 
 def test_ctrl_c_leaves_a_partial_report(tiny, tmp_path):

@@ -309,6 +309,25 @@ def test_bench_rows_count_every_precision_quantization_and_reference():
     assert bench_row_count(two, drafts=1) == 1 + 4 + 2
     q = BenchSettings(num_draft_tokens=[3], hf_reference=False, quantize=["int8"])
     assert bench_row_count(q, drafts=1) == 1 + 1 + (1 + 1)
+    chosen = BenchSettings(num_draft_tokens=[1, 2, 3], hf_reference=False, choose_k=True)
+    assert bench_row_count(chosen, drafts=2) == 1 + 2  # one k timed per draft ...
+    # ... after a pilot decode of pilot_prompts per draft and precision, one decode each
+    one = B.bench_seconds(FAST, 1, chosen.max_new_tokens, 1, 1) - B.bench_seconds(FAST, 0, chosen.max_new_tokens, 1, 1)
+    assert B.pilot_seconds(FAST, chosen, drafts=2) == pytest.approx(2 * 2 * one)
+    assert B.pilot_seconds(FAST, base, drafts=2) == 0.0  # negative control: no choice, no pilot
+
+
+def test_small_preset_chooses_k_and_plans_its_pilot(tmp_path):
+    from draftsmith.pipeline.config import build_config
+
+    cfg = build_config(overrides={"out": str(tmp_path / "o")})
+    assert cfg.bench.choose_k and cfg.bench.num_draft_tokens == [1, 2, 3]
+    plain = B.make_plan(20, FAST, **KW)
+    piloted = B.make_plan(20, FAST, **KW, bench_pilot_seconds=60.0, max_prompts=6)
+    assert piloted.predicted_total * B.SAFETY <= 20 * 60 * 1.001
+    assert piloted.predicted_seconds["bench"] == pytest.approx(
+        60.0 + B.bench_seconds(FAST, piloted.bench_prompts, KW["bench_max_new_tokens"], KW["bench_rows"], 1))
+    assert piloted.bench_prompts == 6 < plain.bench_prompts  # the pilot's prompts are not the bench's
 
 
 def test_plan_reserves_the_bench_compile_time():

@@ -306,11 +306,16 @@ def test_budgeted_run_calibrates_plans_tops_up_and_reruns_from_the_cache(setup, 
     cfg_json["max_position_embeddings"] = 4096  # MT-Bench prompts in this byte-level tokenizer run past 512
     (ver / "config.json").write_text(json.dumps(cfg_json))
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in _prompts(24)))
-    cfg = _config(tmp_path, ver, "budget", budget=0.5)
+    cfg = _config(tmp_path, ver, "budget", budget=0.5, bench__num_draft_tokens=[1, 3], bench__choose_k=True)
     rc = main(["pipeline", "run", str(cfg)])
     assert rc == EXIT_GATE_FAILED
     out = tmp_path / "budget"
     report = json.loads((out / "report.json").read_text())
+    # bench.choose_k: one k timed, chosen on pilot prompts; the exported draft carries the k the gate judged
+    cand = report["bench"]["candidate"]
+    assert cand["k"] in (1, 3) and "pilot decode on 2 prompt(s) that are not judged" in cand["k_selection"]
+    exported = json.loads((Path(report["candidate_draft"]) / "config.json").read_text())
+    assert exported["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == cand["k"]
     stored = json.loads((out / "plan.json").read_text())
     plan = report["plan"]
     assert plan["budget_minutes"] == 0.5 and plan["num_conversations"] == stored["plan"]["num_conversations"]

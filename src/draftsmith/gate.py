@@ -98,6 +98,12 @@ def summarize_drafter(report: dict[str, Any], label: str, engine: str = OURS) ->
     choice = choose_k(rows, cfg.get("bootstrap", 2000), cfg.get("seed", 0))
     if choice is None:
         return None
+    chosen = (report.get("k_choice") or {}).get(label)
+    if chosen is not None and len(rows) == 1:  # bench --choose-k: one k, chosen on other prompts
+        choice["selection"] = (f"chosen before timing by the cost model (predicted "
+                               f"{chosen['predicted_speedup'][str(choice['k'])]:.2f}x, the best of k = "
+                               f"{', '.join(chosen['predicted_speedup'])}) from a pilot decode on "
+                               f"{len(chosen['pilot_prompts'])} prompt(s) that are not judged")
     row = next(r for r in rows if r["k"] == choice["k"])
     outputs = {"identical": 0, "tie": 0, "mismatch": 0}
     judged = [r for r in rows if r.get("outputs")]

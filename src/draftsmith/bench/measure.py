@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import os
 import re
@@ -17,11 +18,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from draftsmith.bench.costmodel import CostModel, fit_draft_cost, monotone_fit
+from draftsmith.bench.costmodel import CostModel, DrafterProfile, best_k, fit_draft_cost, monotone_fit, predict
 from draftsmith.bench.verdict import OutputVerdict, compare_outputs, model_scorer
 from draftsmith.decoding.proposers import DraftContext, Proposal, Proposer
 from draftsmith.decoding.sampling import SamplingParams
@@ -221,6 +222,11 @@ class EngineRow(Row):
         return res.token_ids, stats, []
 
 
+def ks_of(label: str, ks: Sequence[int], chosen: Mapping[str, int] | None) -> list[int]:
+    """The k a drafter's rows are measured at: its ``chosen`` one (``--choose-k``), else every k of ``ks``."""
+    return [chosen[label]] if chosen and label in chosen else list(ks)
+
+
 def precision_label(label: str, precisions: Sequence[str], precision: str) -> str:
     """A draft's row label at ``precision``: the first of ``precisions`` keeps ``label``, the others
     are ``LABEL@PRECISION`` (our engine's rows and the serving engines' alike)."""
@@ -229,8 +235,10 @@ def precision_label(label: str, precisions: Sequence[str], precision: str) -> st
 
 def engine_rows(stack: contextlib.ExitStack, engines: Sequence[str], model: torch.nn.Module, verifier: str,
                 drafts: dict[str, Path], ks: Sequence[int], work_dir: Path,
-                threads: int | None = None, precisions: Sequence[str] = ("as-loaded",)) -> list[Row]:
-    """Start each serving engine plainly and with each draft at each k (stopped by ``stack``).
+                threads: int | None = None, precisions: Sequence[str] = ("as-loaded",),
+                chosen: Mapping[str, int] | None = None) -> list[Row]:
+    """Start each serving engine plainly and with each draft at each k (stopped by ``stack``);
+    a draft whose row label is in ``chosen`` (``--choose-k``) only at that k.
 
     ``precisions`` as ``--draft-precision``: llama.cpp serves ``int8`` as a q8_0 GGUF of the
     draft (labelled as our engine's int8 rows); vLLM serves the draft as loaded only.
@@ -257,7 +265,7 @@ def engine_rows(stack: contextlib.ExitStack, engines: Sequence[str], model: torc
                     from draftsmith.engines.llamacpp import draft_gguf
 
                     served = draft_gguf(d, verifier, dtype="q8_0")
-                for k in ks:
+                for k in ks_of(name, ks, chosen):
                     print(f"bench: starting {engine} with {name} at k={k} ...", file=sys.stderr)
                     rows.append(EngineRow(f"{engine} {name} k={k}", "drafter", model, start(served, k), engine,
                                           drafter=name, k=k))
@@ -280,8 +288,9 @@ def reference_index(rows: Sequence[Row], r: int) -> int:
 
 
 def quantized_rows(model: torch.nn.Module, proposers: dict[str, Proposer], ks: Sequence[int],
-                   methods: Sequence[str]) -> list[Row]:
-    """Per quantization: plain decoding of the quantized verifier, and each drafter on it at each k."""
+                   methods: Sequence[str], chosen: Mapping[str, int] | None = None) -> list[Row]:
+    """Per quantization: plain decoding of the quantized verifier, and each drafter on it at each k
+    (at its ``chosen`` k only, where it has one)."""
     from draftsmith.models.quantize import quantize_verifier
 
     rows: list[Row] = []
@@ -290,7 +299,7 @@ def quantized_rows(model: torch.nn.Module, proposers: dict[str, Proposer], ks: S
         rows.append(Row(f"{method} plain", "quantized", qmodel, quant=method))
         for name, prop in proposers.items():
             rows += [Row(f"{method} + {name} k={k}", "drafter", qmodel, drafter=f"{name} @{method}", k=k,
-                         proposer=prop, quant=method) for k in ks]
+                         proposer=prop, quant=method) for k in ks_of(name, ks, chosen)]
     return rows
 
 
@@ -374,6 +383,62 @@ def load_eval_prompts(dataset: str, tokenizer: object, limit: int | None) -> lis
 
 
 
+def bench_prompts(dataset: str, tokenizer: object, num_prompts: int,
+                  pilot: int = 0) -> tuple[list[tuple[str, list[int]]], list[tuple[str, list[int]]]]:
+    """The first ``num_prompts`` of the eval set (timed and judged) and, when ``pilot`` > 0, its
+    last ``pilot`` prompts after those (``--choose-k``'s pilot decode; fewer when the set is short,
+    none when the first ones take it all)."""
+    if pilot <= 0:
+        return load_eval_prompts(dataset, tokenizer, num_prompts), []
+    every = load_eval_prompts(dataset, tokenizer, None)
+    return every[:num_prompts], every[num_prompts:][-pilot:]
+
+
+def choose_ks(state: BenchState, proposers: dict[str, Proposer], ks: Sequence[int],
+              pilot: Sequence[tuple[str, list[int]]], max_new_tokens: int, temperature: float, seed: int,
+              compile: bool = False) -> dict[str, dict[str, Any]]:
+    """``--choose-k``: per drafter, the k of ``ks`` with the best predicted speedup.
+
+    Each drafter decodes the ``pilot`` prompts at the largest k (untimed; the prompts are
+    not among those timed and judged); its pooled acceptance per position and draft
+    lengths, with the step costs already in ``state`` (:func:`measure_costs`), give the
+    break-even model's prediction at every k of ``ks`` (:func:`costmodel.predict`, no
+    extrapolation: the pilot drafted the longest).
+
+    Returns:
+        drafter -> ``{"k", "predicted_speedup" (per k), "pilot_k", "pilot_prompts",
+        "acceptance_length", "per_position_acceptance", "length_counts"}``.
+    """
+    from draftsmith.bench.report import pooled_acceptance
+    from draftsmith.decoding.engine import generate
+
+    if state.costs is None:
+        raise ValueError("choose_ks needs the step costs: call measure_costs first")
+    model = state.rows[0].model
+    device = next(model.parameters()).device
+    k = max(ks)
+    out: dict[str, dict[str, Any]] = {}
+    for name, prop in proposers.items():
+        runs = []
+        for i, (_, ids) in enumerate(pilot):
+            rec = RecordingProposer(prop)
+            res = generate(model, torch.as_tensor(ids, dtype=torch.long, device=device), proposer=rec,
+                           max_new_tokens=max_new_tokens, temperature=temperature, num_draft_tokens=k,
+                           seed=seed + i, compile=compile)
+            runs.append(RunResult(res.token_ids, res.stats["seconds"], res.stats, rec.calls))
+        acc = pooled_acceptance(runs, k)
+        profile = DrafterProfile(k, acc["per_position_acceptance"], acc["length_counts"])
+        fixed, per_token = state.draft_fit.get(name, (0.0, 0.0))
+        costs = dataclasses.replace(state.costs, draft_fixed=fixed, draft_per_token=per_token)
+        preds = [predict(profile, costs, kk) for kk in sorted(set(ks))]
+        out[name] = {"k": best_k(preds).k, "predicted_speedup": {str(p.k): p.speedup for p in preds},
+                     "pilot_k": k, "pilot_prompts": [pid for pid, _ in pilot],
+                     "acceptance_length": acc["acceptance_length"],
+                     "per_position_acceptance": acc["per_position_acceptance"],
+                     "length_counts": acc["length_counts"]}
+    return out
+
+
 def load_average() -> float | None:
     """1-minute load average (None where the OS has none): other work on the machine skews timings."""
     try:
@@ -408,6 +473,7 @@ class BenchState:
     quality: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)  # (row, prompt), vs full precision
     warmup_compile_seconds: dict[int, float] = field(default_factory=dict)  # row -> its warm-up run's compile time
     costs_compile_seconds: float = 0.0  # compiling the steps while their costs were measured (first, usually)
+    k_choice: dict[str, dict[str, Any]] = field(default_factory=dict)  # drafter -> choose_ks's choice and evidence
     partial: bool = False
     note: str = ""
     started: float = field(default_factory=time.time)
@@ -415,12 +481,14 @@ class BenchState:
 
 
 def build_rows(model: torch.nn.Module, proposers: dict[str, Proposer], ks: Sequence[int],
-                hf_reference: bool, hf_lookup_tokens: int | None, compile: bool = False) -> list[Row]:
-    """Our plain row, each drafter at each k (compiled steps with ``compile``), and HF's rows."""
+                hf_reference: bool, hf_lookup_tokens: int | None, compile: bool = False,
+                chosen: Mapping[str, int] | None = None) -> list[Row]:
+    """Our plain row, each drafter at each k (at its ``chosen`` k only, where it has one; compiled
+    steps with ``compile``), and HF's rows."""
     rows = [Row("plain (ours)", "plain", model, compile=compile)]
     for name, prop in proposers.items():
         rows += [Row(f"{name} k={k}", "drafter", model, drafter=name, k=k, proposer=prop, compile=compile)
-                 for k in ks]
+                 for k in ks_of(name, ks, chosen)]
     if hf_reference:
         rows.append(Row("HF generate", "hf-generate", model))
         k_hf = hf_lookup_tokens or max(ks)

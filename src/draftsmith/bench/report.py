@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 PLOTS = ("acceptance.png", "speedup_vs_k.png", "tokens_per_second.png")
 
 
-def _pooled_acceptance(results: list[RunResult], k: int) -> dict[str, Any]:
+def pooled_acceptance(results: list[RunResult], k: int) -> dict[str, Any]:
     """vLLM-style acceptance pooled over runs, plus the draft-length distribution at k."""
     drafts = draft_tokens = 0
     accepted_at = [0] * k
@@ -105,7 +105,7 @@ def _row_report(state: BenchState, r: int, cfg: BenchConfig) -> dict[str, Any] |
                               "divergences": [{"prompt": state.prompts[p][0], **v.to_dict()}
                                               for p, v in verdicts.items() if v.kind != "identical"]}
     if row.kind == "drafter":
-        out["acceptance"] = _pooled_acceptance(runs, row.k)
+        out["acceptance"] = pooled_acceptance(runs, row.k)
     if row.quant is not None:
         out["quality"] = _quality(state, r, b0, done)
     return out
@@ -205,6 +205,7 @@ def build_report(state: BenchState, cfg: BenchConfig, provenance: dict[str, Any]
             "t_verify_seconds": {str(n): t for n, t in c.t_verify.items()},
             "compile_seconds": state.costs_compile_seconds},
         "break_even": _break_even(state, rows, cfg),
+        "k_choice": state.k_choice,
         "engine_agreement": engine_agreement(rows),
         "which_to_choose": which_to_choose(rows, cfg.temperature),
     }
@@ -371,6 +372,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         kk = max(cfg["num_draft_tokens"]) + 1
         lines += ["", f"## Break-even (T(1) = {_fmt_ms(costs['t1_seconds'])}, T_verify({kk}) = "
                       f"{_fmt_ms(tv[str(kk)])} at {costs['context_tokens']} cached tokens)", ""]
+    for name, c in (report.get("k_choice") or {}).items():
+        preds = ", ".join(f"{s:.2f}x at k={k}" for k, s in c["predicted_speedup"].items())
+        lines.append(f"- **{name}**: k = {c['k']} chosen before timing (`--choose-k`): predicted {preds}, from a "
+                     f"pilot decode at k={c['pilot_k']} on prompt(s) {', '.join(c['pilot_prompts'])} (not timed "
+                     f"or judged; acceptance length {c['acceptance_length']:.2f}) and the step costs above.")
     for name, be in report["break_even"].items():
         if "measured_speedup" not in be:
             continue

@@ -10,9 +10,9 @@ from typing import Any, Literal
 
 import torch
 
-from draftsmith.bench.measure import (BenchState, build_rows, engine_rows, judge_outputs, judge_quality,
-                                      load_eval_prompts, measure_costs, measure_interleaved, precision_label,
-                                      quantized_rows)
+from draftsmith.bench.measure import (BenchState, Row, bench_prompts, build_rows, choose_ks, engine_rows,
+                                      judge_outputs, judge_quality, measure_costs, measure_interleaved,
+                                      precision_label, quantized_rows)
 from draftsmith.bench.report import build_report, render_markdown, write_report
 from draftsmith.config import opt
 from draftsmith.decoding.proposers import Eagle3Proposer, Proposer
@@ -34,7 +34,14 @@ class BenchSettings:
     max_new_tokens: int = opt(128, "new tokens per prompt")
     num_draft_tokens: list[int] = opt(default_factory=lambda: [3, 5],
                                       help="k, tokens drafted per round; several values are swept (the gate "
-                                           "then chooses k on half of the prompts and judges it on the rest)")
+                                           "then chooses k on half of the prompts and judges it on the rest), "
+                                           "or with --choose-k the cost model picks one before timing")
+    choose_k: bool = opt(False, "time each drafter at one k only: the k of --num-draft-tokens whose predicted "
+                                "speedup is best, from this machine's measured step costs and a pilot decode at "
+                                "the largest k (acceptance per position) on --pilot-prompts held-out prompts that "
+                                "are neither timed nor judged; the bench then spends its time on that k")
+    pilot_prompts: int = opt(2, "prompts of --choose-k's pilot decode: the dataset's last ones, never among the "
+                                "timed and judged first --num-prompts")
     temperature: float = opt(0.0, "0 = greedy (outputs must equal plain decoding, up to numerical ties); "
                                   "> 0 samples")
     repeats: int = opt(1, "timed passes over all prompts (per-prompt median is used)")
@@ -92,7 +99,7 @@ class BenchSettings:
                                   "or an existing JSONL file (measure on held-out prompts)")
         if self.seed < 0:
             raise DraftsmithError(f"--seed must be >= 0, got {self.seed}")
-        for name in ("num_prompts", "max_new_tokens", "repeats", "warmup_tokens", "bootstrap"):
+        for name in ("num_prompts", "max_new_tokens", "repeats", "warmup_tokens", "bootstrap", "pilot_prompts"):
             if getattr(self, name) < 1:
                 raise DraftsmithError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.num_draft_tokens or min(self.num_draft_tokens) < 1:
@@ -134,7 +141,8 @@ class BenchConfig(BenchSettings):
 
 def benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], proposers: dict[str, Proposer],
               cfg: BenchConfig, out_dir: Path, provenance: dict[str, Any] | None = None,
-              draft_dirs: dict[str, Path] | None = None) -> dict[str, Any]:
+              draft_dirs: dict[str, Path] | None = None,
+              pilot: list[tuple[str, list[int]]] | None = None) -> dict[str, Any]:
     """Measure every row and write the report (partial on Ctrl-C, which is re-raised).
 
     Args:
@@ -146,35 +154,62 @@ def benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], prop
         provenance: verifier spec and fingerprint, command line, dataset name.
         draft_dirs: label -> speculators draft directory, for the serving engines of
             ``cfg.engines`` (each is started plainly and with each draft at each k).
+        pilot: ``cfg.choose_k``'s pilot prompts (:func:`bench_prompts`), never timed or judged.
 
     Returns:
         The report as written to ``report.json``.
     """
     with contextlib.ExitStack() as servers:  # every engine server is stopped on the way out, whatever happens
-        return _benchmark(model, prompts, proposers, cfg, out_dir, provenance, draft_dirs or {}, servers)
+        return _benchmark(model, prompts, proposers, cfg, out_dir, provenance, draft_dirs or {}, servers, pilot or [])
 
 
 def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], proposers: dict[str, Proposer],
                cfg: BenchConfig, out_dir: Path, provenance: dict[str, Any] | None, draft_dirs: dict[str, Path],
-               servers: contextlib.ExitStack) -> dict[str, Any]:
+               servers: contextlib.ExitStack, pilot: list[tuple[str, list[int]]]) -> dict[str, Any]:
     proposers = with_draft_precisions(proposers, cfg.draft_precision)
-    rows = build_rows(model, proposers, cfg.num_draft_tokens, cfg.hf_reference, cfg.hf_lookup_tokens, cfg.compile)
-    if OURS not in cfg.engines:
-        rows = rows[:1]  # our plain row stays: the verdicts and the cost model rest on it
-    rows += quantized_rows(model, proposers, cfg.num_draft_tokens, cfg.quantize)
-    rows += engine_rows(servers, cfg.engines, model, cfg.verifier, draft_dirs, cfg.num_draft_tokens,
-                        Path(out_dir) / "engine-logs", cfg.threads, cfg.draft_precision)
-    state = BenchState(rows, prompts)
-    param = next(model.parameters())
     layout = cfg.weight_layout
-    provenance = {**(provenance or {}), "dtype": str(param.dtype).removeprefix("torch."), "device": str(param.device),
-                  "weight_layout": layout, "draft_precision": cfg.draft_precision, "compile": cfg.compile}
-    # every row decodes inside the block (the quantized rows hold their own copies, made above);
-    # the EAGLE-3 drafts' weights are held the same way, so draft and verifier steps stay comparable
+    # the EAGLE-3 drafts' weights are held as the verifier's, so draft and verifier steps stay comparable
     drafts = [p.draft for p in proposers.values() if isinstance(getattr(p, "draft", None), torch.nn.Module)]
-    with contextlib.ExitStack() as held:
+
+    def held_layout() -> contextlib.ExitStack:
+        held = contextlib.ExitStack()
         for m in [model, *drafts]:
             held.enter_context(weights_in_out(m, layout == "in-out"))
+        return held
+
+    pre = None
+    if cfg.choose_k and proposers:
+        if not pilot:
+            raise DraftsmithError("--choose-k: no pilot prompts (the dataset has no prompt left after the first "
+                                  "--num-prompts); lower --num-prompts or leave --choose-k off")
+        pre = BenchState([Row("plain (ours)", "plain", model, compile=cfg.compile)], prompts)
+        with held_layout():
+            if cfg.progress:
+                print(f"bench: measuring step costs and a pilot decode on {len(pilot)} prompt(s) to choose k ...",
+                      file=sys.stderr)
+            measure_costs(pre, proposers, cfg.num_draft_tokens, cfg.max_new_tokens, cfg.temperature, cfg.seed,
+                          cfg.compile)
+            pre.k_choice = choose_ks(pre, proposers, cfg.num_draft_tokens, pilot, cfg.max_new_tokens,
+                                     cfg.temperature, cfg.seed, cfg.compile)
+    chosen = {name: c["k"] for name, c in (pre.k_choice if pre else {}).items()}
+    rows = build_rows(model, proposers, cfg.num_draft_tokens, cfg.hf_reference, cfg.hf_lookup_tokens, cfg.compile,
+                      chosen)
+    if OURS not in cfg.engines:
+        rows = rows[:1]  # our plain row stays: the verdicts and the cost model rest on it
+    rows += quantized_rows(model, proposers, cfg.num_draft_tokens, cfg.quantize, chosen)
+    rows += engine_rows(servers, cfg.engines, model, cfg.verifier, draft_dirs, cfg.num_draft_tokens,
+                        Path(out_dir) / "engine-logs", cfg.threads, cfg.draft_precision, chosen)
+    state = BenchState(rows, prompts)
+    if pre is not None:  # the costs measured for the choice are the bench's
+        state.costs, state.draft_per_call, state.draft_fit = pre.costs, pre.draft_per_call, pre.draft_fit
+        state.costs_compile_seconds, state.k_choice, state.started = (pre.costs_compile_seconds, pre.k_choice,
+                                                                      pre.started)
+        state.load_at_start = pre.load_at_start
+    param = next(model.parameters())
+    provenance = {**(provenance or {}), "dtype": str(param.dtype).removeprefix("torch."), "device": str(param.device),
+                  "weight_layout": layout, "draft_precision": cfg.draft_precision, "compile": cfg.compile}
+    # every row decodes inside the block (the quantized rows hold their own copies, made above)
+    with held_layout():
         return _measure(state, model, proposers, cfg, out_dir, provenance)
 
 
@@ -197,8 +232,9 @@ def _measure(state: BenchState, model: torch.nn.Module, proposers: dict[str, Pro
     try:
         if cfg.progress:
             print("bench: measuring verifier and draft step costs ...", file=sys.stderr)
-        measure_costs(state, proposers, cfg.num_draft_tokens, cfg.max_new_tokens, cfg.temperature, cfg.seed,
-                      cfg.compile)
+        if state.costs is None:  # (measured already where --choose-k chose k with them)
+            measure_costs(state, proposers, cfg.num_draft_tokens, cfg.max_new_tokens, cfg.temperature, cfg.seed,
+                          cfg.compile)
         measure_interleaved(state, cfg.max_new_tokens, cfg.temperature, cfg.repeats, cfg.seed,
                             progress=cfg.progress, warmup_tokens=cfg.warmup_tokens)
         if cfg.temperature == 0:
@@ -222,7 +258,7 @@ def run_bench(cfg: BenchConfig) -> int:
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     model, tokenizer, fp = load_verifier(cfg.verifier, dtype=cfg.dtype, device=cfg.device)
-    prompts = load_eval_prompts(cfg.dataset, tokenizer, cfg.num_prompts)
+    prompts, pilot = bench_prompts(cfg.dataset, tokenizer, cfg.num_prompts, cfg.pilot_prompts if cfg.choose_k else 0)
     proposers: dict[str, Proposer] = {}
     for spec in cfg.drafter:
         proposers[spec] = build_proposer(spec, model, tokenizer, dtype=cfg.dtype)
@@ -231,7 +267,7 @@ def run_bench(cfg: BenchConfig) -> int:
         proposers[label] = build_proposer(str(d), model, tokenizer, dtype=cfg.dtype)
     provenance = {"verifier": cfg.verifier, "fingerprint": fp, "command": command_line(), "dataset": cfg.dataset}
     try:
-        report = benchmark(model, prompts, proposers, cfg, Path(cfg.out), provenance, draft_dirs)
+        report = benchmark(model, prompts, proposers, cfg, Path(cfg.out), provenance, draft_dirs, pilot)
     except KeyboardInterrupt:
         print(f"bench: partial report written to {cfg.out}/report.md", file=sys.stderr)
         raise

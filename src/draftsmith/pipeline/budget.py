@@ -119,7 +119,7 @@ def _mins(seconds: float) -> str:
 def bench_row_count(bench: Any, drafts: int) -> int:
     """Rows our engine decodes in the pipeline's bench: plain, each draft at each precision and k,
     HF generate and prompt lookup, and per quantization its plain row and each draft row again."""
-    draft_rows = drafts * len(bench.draft_precision) * len(bench.num_draft_tokens)
+    draft_rows = drafts * len(bench.draft_precision) * (1 if bench.choose_k else len(bench.num_draft_tokens))
     return 1 + draft_rows + 2 * bench.hf_reference + len(bench.quantize) * (1 + draft_rows)
 
 
@@ -130,16 +130,28 @@ def bench_seconds(rates: Rates, prompts: int, max_new_tokens: int, rows: int, re
     return rows * per_run * (prompts * repeats + 1) + probes
 
 
+def pilot_seconds(rates: Rates, bench: Any, drafts: int) -> float:
+    """``bench.choose_k``'s pilot decode: each draft at each precision decodes ``bench.pilot_prompts``
+    prompts once (0 without ``choose_k``)."""
+    if not bench.choose_k:
+        return 0.0
+    runs = bench.pilot_prompts * drafts * len(bench.draft_precision)
+    return bench_seconds(rates, runs, bench.max_new_tokens, 1, 1) - bench_seconds(rates, 0, bench.max_new_tokens, 1, 1)
+
+
 def make_plan(budget_minutes: float, rates: Rates, *, max_new_tokens: int, epochs: float, pack_tokens: int,
               bench_max_new_tokens: int, bench_rows: int, repeats: int = 1,
               machine: dict[str, Any] | None = None, min_prompts: int = MIN_BENCH_PROMPTS,
-              bench_compile_seconds: float = 0.0) -> Plan:
+              bench_compile_seconds: float = 0.0, bench_pilot_seconds: float = 0.0,
+              max_prompts: int = MAX_BENCH_PROMPTS) -> Plan:
     """Size the run so that its predicted time (times :data:`SAFETY`) fits ``budget_minutes``.
 
     The bench gets up to :data:`BENCH_SHARE` of the budget (at least ``min_prompts``
     prompts; the gate judges on half of them when several k are measured); data and training share the rest at the asked ``epochs``, so the number of
     conversations is what remains divided by one conversation's regeneration, capture and
-    training cost. ``bench_compile_seconds`` is reserved for compiling the bench's steps once.
+    training cost. ``bench_compile_seconds`` is reserved for compiling the bench's steps once,
+    ``bench_pilot_seconds`` for ``bench.choose_k``'s pilot decode (:func:`pilot_seconds`); the
+    bench gets at most ``max_prompts`` prompts.
 
     Raises:
         DraftsmithError: the budget cannot hold the smallest useful run; the message
@@ -157,7 +169,8 @@ def make_plan(budget_minutes: float, rates: Rates, *, max_new_tokens: int, epoch
                 "train": kept * epochs * (rates.prompt_tokens + reply) * rates.train_per_position}
     one_bench_prompt = bench_seconds(rates, 1, bench_max_new_tokens, bench_rows, repeats) - \
         bench_seconds(rates, 0, bench_max_new_tokens, bench_rows, repeats)
-    bench_fixed = bench_seconds(rates, 0, bench_max_new_tokens, bench_rows, repeats) + bench_compile_seconds
+    bench_fixed = (bench_seconds(rates, 0, bench_max_new_tokens, bench_rows, repeats) + bench_compile_seconds
+                   + bench_pilot_seconds)
     fixed = rates.load_seconds
     # a regeneration batch is paid whole even when it is not full
     min_batch = rates.regen_batch_fixed + reply * rates.regen_batch_per_token
@@ -168,7 +181,7 @@ def make_plan(budget_minutes: float, rates: Rates, *, max_new_tokens: int, epoch
                               f"machine ({MIN_CONVERSATIONS} conversations, {min_prompts} bench prompts): "
                               f"it needs at least {math.ceil(minimum * SAFETY / 60)} minutes here")
     prompts = int((BENCH_SHARE * budget - bench_fixed) // one_bench_prompt)
-    prompts = max(min_prompts, min(MAX_BENCH_PROMPTS, prompts))
+    prompts = max(min_prompts, min(max_prompts, prompts))
     bench = bench_fixed + prompts * one_bench_prompt
     left = budget - fixed - bench
     n = int(left // sum(per_conv.values()))
@@ -401,8 +414,10 @@ def plan_for(cfg: Any, v: Any, vd: Any, out: Path, say: Any = print) -> Plan:
     plan = make_plan(cfg.budget, rates, max_new_tokens=cfg.data.max_new_tokens, epochs=cfg.train.epochs,
                      pack_tokens=cfg.train.pack_tokens, bench_max_new_tokens=cfg.bench.max_new_tokens,
                      bench_rows=rows, repeats=cfg.bench.repeats, machine=key["machine"],
-                     min_prompts=MIN_BENCH_PROMPTS if len(cfg.bench.num_draft_tokens) == 1 else 2 * MIN_JUDGED_PROMPTS,
-                     bench_compile_seconds=compile_s)
+                     min_prompts=(MIN_BENCH_PROMPTS if len(cfg.bench.num_draft_tokens) == 1 or cfg.bench.choose_k
+                                  else 2 * MIN_JUDGED_PROMPTS),
+                     bench_compile_seconds=compile_s, bench_pilot_seconds=pilot_seconds(rates, cfg.bench, drafts),
+                     max_prompts=MAX_BENCH_PROMPTS - (cfg.bench.pilot_prompts if cfg.bench.choose_k else 0))
     save_plan(path, key, plan)
     return plan
 

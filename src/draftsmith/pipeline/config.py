@@ -130,9 +130,12 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     # slower in bfloat16 and 1.8x in float32, long prompts pad whole batches), 3 epochs (6
     # overfit: train acc 0.5-0.7 vs validation 0.3), and a bench of 8 prompts at k = 3 against
     # our plain loop (the break-even analysis predicts the other k; `draftsmith bench` adds the
-    # HF reference rows).
+    # HF reference rows). The bench times one k, the one the cost model predicts best from a
+    # pilot decode and this machine's step costs (`choose_k`): a weak draft on a float32 CPU
+    # verifier loses at k = 3 (its 4-token verify step costs ~1.5 one-token steps, BENCHMARKS.md
+    # section 13) and may win at k = 1.
     "small": {"train": {"epochs": 3.0, "draft_vocab_size": 8192, "eval_every": 50},
-              "bench": {"num_prompts": 8, "num_draft_tokens": [3], "hf_reference": False}},
+              "bench": {"num_prompts": 8, "num_draft_tokens": [1, 2, 3], "choose_k": True, "hf_reference": False}},
     # full: the best budget measured here. Its draft, 2 epochs over the uncut replies and then
     # 3 more over the loop-cut ones (~3450 steps, ~2.7 h on 2 cores), was still improving on
     # MT-Bench (1.47 -> 1.52 -> 1.78, BENCHMARKS.md section 3), so the preset asks 6 epochs over

@@ -230,10 +230,11 @@ def _components(base_image: str, packages: list[str], install_kfp: bool) -> dict
         fingerprint = ((read_provenance(draft.path) or {}).get("verifier") or {}).get("fingerprint")
         out = Path(deployable.path)
         out.parent.mkdir(parents=True, exist_ok=True)
-        res = steps.export(Path(draft.path), out, verifier_name=cfg.verifier_name, num_draft_tokens=steps.export_k(cfg),
+        k = steps.export_k(cfg, steps.gate_inputs(measured, cfg.gate.engine)[0])  # the k the gate judged
+        res = steps.export(Path(draft.path), out, verifier_name=cfg.verifier_name, num_draft_tokens=k,
                            fingerprint=fingerprint, metrics=metrics,
                            provenance=provenance)
-        deployable.metadata.update({"sha": res["sha"], "num_draft_tokens": steps.export_k(cfg),
+        deployable.metadata.update({"sha": res["sha"], "num_draft_tokens": k,
                                     "speedup": (measured["summary"] or {}).get("speedup")})
 
     funcs: list[Callable[..., Any]] = [configure, prompts, regenerate, capture, train, bench, gate, export]

@@ -129,6 +129,7 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
     b = cache.run("bench", bench_inputs, lambda w: steps.bench(v, drafts, cfg.bench, w))
     verdict = steps.gate(*steps.gate_inputs(b, cfg.gate.engine), cfg.gate)
 
+    k_export = steps.export_k(cfg, steps.gate_inputs(b, cfg.gate.engine)[0])  # the k the gate judged
     metrics, provenance = steps.export_metadata(cfg, t, c.get("tokens"), b["summary"], verdict, mode=mode,
                                                 report=str(out / "report.json"))
     e = cache.run("export", {"draft": t["sha"], "bench": digest(b), "gate": verdict, "k": k_export,

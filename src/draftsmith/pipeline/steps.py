@@ -232,17 +232,18 @@ def bench(v: Verifier, drafts: dict[str, Path], section: BenchSection, work: Pat
           progress: bool = True) -> dict[str, Any]:
     """Measure the drafts (label -> dir) against plain decoding on held-out prompts."""
     from draftsmith.bench import BenchConfig, BenchSettings, benchmark
-    from draftsmith.data.sources import eval_set
+    from draftsmith.bench.measure import bench_prompts
     from draftsmith.drafters import load_draft
     from draftsmith.utils import command_line
 
     cfg = BenchConfig(verifier=v.spec, out=work, draft=[str(d) for d in drafts.values()], progress=progress,
                       **{f.name: getattr(section, f.name) for f in dataclasses.fields(BenchSettings)})
-    prompt_list = eval_set(section.dataset, v.tokenizer, limit=section.num_prompts)
+    prompt_list, pilot = bench_prompts(section.dataset, v.tokenizer, section.num_prompts,
+                                       section.pilot_prompts if section.choose_k else 0)
     proposers = {label: load_draft(d, v.model) for label, d in drafts.items()}
     report = benchmark(v.model, prompt_list, proposers, cfg, work,
                        {"verifier": v.spec, "fingerprint": v.fingerprint, "command": command_line(),
-                        "dataset": section.dataset, "drafts": {k: str(p) for k, p in drafts.items()}}, drafts)
+                        "dataset": section.dataset, "drafts": {k: str(p) for k, p in drafts.items()}}, drafts, pilot)
     return {"report": str(work / "report.json"), "summary": summarize_drafter(report, "candidate"),
             "previous": summarize_drafter(report, "previous") if "previous" in drafts else None,
             "by_engine": {e: {"summary": summarize_drafter(report, "candidate", e),
@@ -256,9 +257,11 @@ def gate_inputs(b: dict[str, Any], engine: str) -> tuple[dict[str, Any] | None, 
     return mine["summary"], mine["previous"]
 
 
-def export_k(cfg: PipelineConfig) -> int:
-    """The draft length k written into the exported draft: ``num_draft_tokens``, else the largest k measured."""
-    return cfg.num_draft_tokens or max(cfg.bench.num_draft_tokens)
+def export_k(cfg: PipelineConfig, measured: dict[str, Any] | None = None) -> int:
+    """The draft length k written into the exported draft: ``num_draft_tokens``, else the k the
+    gate judged (``measured``: the candidate's bench summary), else the largest k to measure
+    (what training writes before the bench has run)."""
+    return cfg.num_draft_tokens or (measured or {}).get("k") or max(cfg.bench.num_draft_tokens)
 
 
 def export_metadata(cfg: PipelineConfig, trained: dict[str, Any], tokens: int | None,
