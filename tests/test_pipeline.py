@@ -136,6 +136,25 @@ def test_gate_failure_exit_code_and_no_deploy(setup, reference, capsys):
     assert "gate failed" in capsys.readouterr().err
 
 
+def test_bench_step_without_pilot_prompts_times_every_k(setup, reference, tmp_path, capsys):
+    """bench.choose_k on a dataset the judged prompts use up: the pipeline's bench (after training)
+    says so and times every k rather than failing; `draftsmith bench` itself refuses (test_bench)."""
+    from draftsmith.bench import BenchSettings
+    from draftsmith.pipeline import steps
+
+    root, verifier = setup
+    two = tmp_path / "two.jsonl"
+    two.write_text("".join(json.dumps(p) + "\n" for p in _prompts(2)))
+    section = BenchSettings(dataset=str(two), num_prompts=2, max_new_tokens=8, num_draft_tokens=[1, 2],
+                            choose_k=True, hf_reference=False, warmup_tokens=2, bootstrap=100)
+    draft = Path(json.loads((reference / "report.json").read_text())["candidate_draft"])
+    b = steps.bench(steps.Verifier(str(verifier), "float32", "cpu"), {"candidate": draft}, section,
+                    tmp_path / "bench", progress=False)
+    report = json.loads(Path(b["report"]).read_text())
+    assert sorted(r["k"] for r in report["rows"] if r["kind"] == "drafter") == [1, 2] and report["k_choice"] == {}
+    assert "no prompt left after the first 2 for choose_k's pilot decode" in capsys.readouterr().err
+
+
 def test_bad_config_fails_before_any_work(setup, capsys, tmp_path):
     root, verifier = setup
     cases = [({"train": {"epochz": 2}}, "train.epochz"), ({"train": {"epochs": "many"}}, "epochs"),

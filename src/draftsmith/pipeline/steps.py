@@ -236,10 +236,14 @@ def bench(v: Verifier, drafts: dict[str, Path], section: BenchSection, work: Pat
     from draftsmith.drafters import load_draft
     from draftsmith.utils import command_line
 
-    cfg = BenchConfig(verifier=v.spec, out=work, draft=[str(d) for d in drafts.values()], progress=progress,
-                      **{f.name: getattr(section, f.name) for f in dataclasses.fields(BenchSettings)})
     prompt_list, pilot = bench_prompts(section.dataset, v.tokenizer, section.num_prompts,
                                        section.pilot_prompts if section.choose_k else 0)
+    if section.choose_k and not pilot:  # after training, a run does not fail over this: it times every k
+        say(f"[bench] {section.dataset} has no prompt left after the first {section.num_prompts} for choose_k's "
+            f"pilot decode: timing every k of {section.num_draft_tokens} instead")
+        section = dataclasses.replace(section, choose_k=False)
+    cfg = BenchConfig(verifier=v.spec, out=work, draft=[str(d) for d in drafts.values()], progress=progress,
+                      **{f.name: getattr(section, f.name) for f in dataclasses.fields(BenchSettings)})
     proposers = {label: load_draft(d, v.model) for label, d in drafts.items()}
     report = benchmark(v.model, prompt_list, proposers, cfg, work,
                        {"verifier": v.spec, "fingerprint": v.fingerprint, "command": command_line(),
