@@ -322,6 +322,8 @@ def test_small_preset_chooses_k_and_plans_its_pilot(tmp_path):
 
     cfg = build_config(overrides={"out": str(tmp_path / "o")})
     assert cfg.bench.choose_k and cfg.bench.num_draft_tokens == [1, 2, 3]
+    full = build_config(overrides={"preset": "full", "out": str(tmp_path / "f")}).bench
+    assert full.choose_k and full.num_prompts + full.pilot_prompts <= 80  # MT-Bench's 80 hold both
     plain = B.make_plan(20, FAST, **KW)
     piloted = B.make_plan(20, FAST, **KW, bench_pilot_seconds=60.0, max_prompts=6)
     assert piloted.predicted_total * B.SAFETY <= 20 * 60 * 1.001
