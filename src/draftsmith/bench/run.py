@@ -200,11 +200,10 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
     rows += engine_rows(servers, cfg.engines, model, cfg.verifier, draft_dirs, cfg.num_draft_tokens,
                         Path(out_dir) / "engine-logs", cfg.threads, cfg.draft_precision, chosen)
     state = BenchState(rows, prompts)
-    if pre is not None:  # the costs measured for the choice are the bench's
-        state.costs, state.draft_per_call, state.draft_fit = pre.costs, pre.draft_per_call, pre.draft_fit
-        state.costs_compile_seconds, state.k_choice, state.started = (pre.costs_compile_seconds, pre.k_choice,
-                                                                      pre.started)
-        state.load_at_start = pre.load_at_start
+    if pre is not None:  # the costs measured for the choice are the bench's, and its clock started with them
+        for name in ("costs", "draft_per_call", "draft_fit", "costs_compile_seconds", "k_choice", "started",
+                     "load_at_start"):
+            setattr(state, name, getattr(pre, name))
     param = next(model.parameters())
     provenance = {**(provenance or {}), "dtype": str(param.dtype).removeprefix("torch."), "device": str(param.device),
                   "weight_layout": layout, "draft_precision": cfg.draft_precision, "compile": cfg.compile}
