@@ -41,7 +41,9 @@ class BenchSettings:
                                 "the largest k (acceptance per position) on --pilot-prompts held-out prompts that "
                                 "are neither timed nor judged; the bench then spends its time on that k")
     pilot_prompts: int = opt(2, "prompts of --choose-k's pilot decode: the dataset's last ones, never among the "
-                                "timed and judged first --num-prompts")
+                                "timed and judged first --num-prompts; the choice is as good as they are typical "
+                                "(raise it, or time every k, for a drafter whose acceptance swings from prompt to "
+                                "prompt, like n-gram lookup)")
     temperature: float = opt(0.0, "0 = greedy (outputs must equal plain decoding, up to numerical ties); "
                                   "> 0 samples")
     repeats: int = opt(1, "timed passes over all prompts (per-prompt median is used)")
