@@ -410,7 +410,6 @@ def choose_ks(state: BenchState, proposers: dict[str, Proposer], ks: Sequence[in
         "acceptance_length", "per_position_acceptance", "length_counts"}``.
     """
     from draftsmith.bench.report import pooled_acceptance
-    from draftsmith.decoding.engine import generate
 
     if state.costs is None:
         raise ValueError("choose_ks needs the step costs: call measure_costs first")
@@ -419,18 +418,12 @@ def choose_ks(state: BenchState, proposers: dict[str, Proposer], ks: Sequence[in
     k = max(ks)
     out: dict[str, dict[str, Any]] = {}
     for name, prop in proposers.items():
-        runs = []
-        for i, (_, ids) in enumerate(pilot):
-            rec = RecordingProposer(prop)
-            res = generate(model, torch.as_tensor(ids, dtype=torch.long, device=device), proposer=rec,
-                           max_new_tokens=max_new_tokens, temperature=temperature, num_draft_tokens=k,
-                           seed=seed + i, compile=compile)
-            runs.append(RunResult(res.token_ids, res.stats["seconds"], res.stats, rec.calls))
+        row = Row(f"pilot {name} k={k}", "drafter", model, drafter=name, k=k, proposer=prop, compile=compile)
+        runs = [timed_run(row, torch.as_tensor(ids, dtype=torch.long, device=device), max_new_tokens, temperature,
+                          seed + i) for i, (_, ids) in enumerate(pilot)]
         acc = pooled_acceptance(runs, k)
         profile = DrafterProfile(k, acc["per_position_acceptance"], acc["length_counts"])
-        fixed, per_token = state.draft_fit.get(name, (0.0, 0.0))
-        costs = dataclasses.replace(state.costs, draft_fixed=fixed, draft_per_token=per_token)
-        preds = [predict(profile, costs, kk) for kk in sorted(set(ks))]
+        preds = [predict(profile, state.drafter_costs(name), kk) for kk in sorted(set(ks))]
         out[name] = {"k": best_k(preds).k, "predicted_speedup": {str(p.k): p.speedup for p in preds},
                      "pilot_k": k, "pilot_prompts": [pid for pid, _ in pilot],
                      "acceptance_length": acc["acceptance_length"],
@@ -478,6 +471,11 @@ class BenchState:
     note: str = ""
     started: float = field(default_factory=time.time)
     load_at_start: float | None = field(default_factory=lambda: load_average())
+
+    def drafter_costs(self, name: str) -> CostModel:
+        """The measured step costs with drafter ``name``'s fitted propose cost (none if not measured)."""
+        fixed, per_token = self.draft_fit.get(name, (0.0, 0.0))
+        return dataclasses.replace(self.costs, draft_fixed=fixed, draft_per_token=per_token)
 
 
 def build_rows(model: torch.nn.Module, proposers: dict[str, Proposer], ks: Sequence[int],

@@ -149,14 +149,14 @@ def _break_even(state: BenchState, rows: list[dict[str, Any]], cfg: BenchConfig)
         basis = mine[-1]  # the longest drafts see the most positions
         acc = basis["acceptance"]
         profile = DrafterProfile(basis["k"], acc["per_position_acceptance"], acc["length_counts"])
-        fixed, per_token = state.draft_fit.get(name, (0.0, 0.0))
-        costs = dataclasses.replace(state.costs, draft_fixed=fixed, draft_per_token=per_token)
+        costs = state.drafter_costs(name)
         preds = [predict(profile, costs, k) for k in range(1, max(max(cfg.num_draft_tokens), 8) + 1)]
         best = best_k([p for p in preds if not p.extrapolated] or preds)
         measured = {r["k"]: r for r in mine if r["speedup"]["median"] is not None}
         main = max(measured.values(), key=lambda r: r["speedup"]["median"]) if measured else None
         entry: dict[str, Any] = {
-            "basis_k": basis["k"], "draft_fixed_seconds": fixed, "draft_per_token_seconds": per_token,
+            "basis_k": basis["k"], "draft_fixed_seconds": costs.draft_fixed,
+            "draft_per_token_seconds": costs.draft_per_token,
             "draft_per_call_seconds": {str(k): v for k, v in state.draft_per_call.get(name, {}).items()},
             "predicted": [dataclasses.asdict(p) for p in preds],
             "best_k": best.k, "best_k_predicted_speedup": best.speedup,
