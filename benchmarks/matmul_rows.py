@@ -17,7 +17,12 @@ from one layout to another, so a layout is a choice for both paths that must agr
 - ``contiguous``: ``x @ Wt`` with ``Wt = W.t().contiguous()``, the weight stored ``[in, out]``
   (what ``weight.data = W.t().contiguous().t()`` would give every caller, transformers included);
 - ``packed``: MKL's packed GEMM (``torch.ops.mkl._mkl_linear``), packed once per row count M;
-  its buffer's size is reported (float32 only; held beside the weight).
+  its buffer's size is reported (float32 only; held beside the weight);
+- ``onednn``: oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``, the path torch's own
+  bfloat16 linear takes) on the ``[out, in]`` weight; ``onednn-packed``: the weight reordered once
+  into oneDNN's blocked layout (held instead of the weight, so the same bytes). Float32 through
+  oneDNN is not MKL's rounding: on CPUs where MKL's small-M GEMM is slow (the AMD EPYC measured
+  in BENCHMARKS.md), this is the alternative kernel for the same values.
 
 ``--full-step`` times all 211 GEMMs of a SmolLM2 step as one group: 538 MB of float32 weights
 stream from memory as in decoding, which the single shapes (a few MB, cache-resident) do not show::
@@ -51,6 +56,11 @@ def layout_call(layout: str, x: torch.Tensor, w: torch.Tensor, m: int):
     if layout == "contiguous":
         wt = w.t().contiguous()
         return (lambda: torch.mm(x, wt)), wt.numel() * wt.element_size()
+    if layout == "onednn":  # oneDNN's matmul (the kernel torch uses for bfloat16) on the same [out, in] weight
+        return (lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")), w.numel() * w.element_size()
+    if layout == "onednn-packed":  # the weight reordered once into oneDNN's blocked layout (held instead of W)
+        blocked = torch.ops.mkldnn._reorder_linear_weight(w, m)
+        return (lambda: torch.ops.mkldnn._linear_pointwise(x, blocked, None, "none", [], "")), w.numel() * w.element_size()
     packed = torch.ops.mkl._mkl_reorder_linear_weight(w, m)  # MKL's packed sgemm, one pack per M
     return (lambda: torch.ops.mkl._mkl_linear(x, packed, w, None, m)), packed.numel() * packed.element_size()
 
@@ -62,7 +72,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
-    ap.add_argument("--layouts", nargs="+", default=["view"], choices=["view", "contiguous", "packed"])
+    ap.add_argument("--layouts", nargs="+", default=["view"], choices=["view", "contiguous", "packed", "onednn", "onednn-packed"])
     ap.add_argument("--full-step", action="store_true",
                     help="time all 211 GEMMs of a SmolLM2 step together (weights stream from memory, as in "
                          "decoding) instead of the lm_head and MLP shapes one by one")
