@@ -19,7 +19,8 @@ what it compares (the order rotates), on one verifier (SmolLM2-135M float32 by d
    context, plainly and with an EAGLE-3 draft, lean vs hf-dynamic (and, with
    ``--baseline-src``, an older checkout's engine). Target: lean <= 1.10x the old engine.
 5. ``layout`` (not in the default set): verify steps of 1..N tokens with the verifier's weights
-   as loaded and held ``[in, out]`` (``--weight-layout``), alternating per pass.
+   as loaded, held ``[in, out]`` and multiplied by oneDNN (CPU; ``--weight-layout``),
+   alternating per pass.
 
 Timings on a shared machine are noise-bound; compare ratios within one run only.
 
@@ -212,10 +213,11 @@ def section_context(args, model, out: dict) -> None:
 
 def section_layout(args, model, out: dict) -> None:
     """Verify steps of M = 1..``--layout-rows`` tokens at ``--layout-context`` cached tokens, with the
-    verifier's Linear weights as loaded (out-in) and held [in, out] (``weights_in_out``), the two
-    layouts alternating per pass (each pass re-lays the weights and builds its runners)."""
+    verifier's Linear weights as loaded (out-in), held [in, out] (``weights_in_out``) and multiplied
+    by oneDNN (``linears_onednn``), the layouts alternating per pass (each pass re-lays the weights
+    and builds its runners)."""
     from draftsmith.decoding.runner import verifier_runner
-    from draftsmith.models.verifier import weights_in_out
+    from draftsmith.models.verifier import WEIGHT_LAYOUTS, weight_layout
 
     device = next(model.parameters()).device
     V = model.config.vocab_size
@@ -224,12 +226,13 @@ def section_layout(args, model, out: dict) -> None:
     ctx = torch.randint(2, V, (C,), generator=g).to(device)
     rows = list(range(1, args.layout_rows + 1))
     toks = {m: torch.randint(2, V, (m,), generator=g).to(device) for m in rows}
-    times: dict[tuple[str, int], list[float]] = {(lay, m): [] for lay in ("out-in", "in-out") for m in rows}
+    layouts = list(WEIGHT_LAYOUTS) if device.type == "cpu" else ["out-in", "in-out"]  # oneDNN: CPU only
+    times: dict[tuple[str, int], list[float]] = {(lay, m): [] for lay in layouts for m in rows}
     with torch.inference_mode():
         for rep in range(args.layout_passes):
-            order = ["out-in", "in-out"] if rep % 2 == 0 else ["in-out", "out-in"]
+            order = layouts if rep % 2 == 0 else layouts[::-1]
             for lay in order:
-                with weights_in_out(model, lay == "in-out"):
+                with weight_layout(model, lay):
                     r = verifier_runner(model, C + 16, mode="auto", role="layout")
                     r.forward(ctx, 1)
                     for i in range(args.step_repeats // args.layout_passes + 2):  # 2 warm-up rounds
@@ -241,10 +244,10 @@ def section_layout(args, model, out: dict) -> None:
                             if i >= 2:
                                 times[(lay, m)].append(time.perf_counter() - t0)
                             r.rollback(C)
-    med = {lay: {m: 1e3 * statistics.median(times[(lay, m)]) for m in rows} for lay in ("out-in", "in-out")}
+    med = {lay: {m: 1e3 * statistics.median(times[(lay, m)]) for m in rows} for lay in layouts}
     out["layout"] = {"context": C, "median_ms": med, "steps_per_point": len(times[("out-in", 1)]),
                      "over_one_token": {lay: {m: med[lay][m] / med[lay][1] for m in rows} for lay in med},
-                     "in_out_over_out_in": {m: med["in-out"][m] / med["out-in"][m] for m in rows}}
+                     "over_out_in": {lay: {m: med[lay][m] / med["out-in"][m] for m in rows} for lay in layouts}}
 
 
 # ----------------------------------------------------------------------------------------- 3. draft step
@@ -274,7 +277,7 @@ def old_draft_step(draft, input_ids, hidden, position_ids, cache: list) -> tuple
 def section_draft(args, model, out: dict) -> None:
     from draftsmith.decoding.proposers import Eagle3Proposer
     from draftsmith.models.quantize import quantize_draft
-    from draftsmith.models.verifier import weights_in_out
+    from draftsmith.models.verifier import weight_layout
     from draftsmith.decoding.runner import verifier_runner
     from draftsmith.decoding.sampling import SamplingParams
 
@@ -307,7 +310,7 @@ def section_draft(args, model, out: dict) -> None:
         for vd in args.draft_vocab:
             vd = str(vd)
             draft = eagle3_draft(model, min(int(vd), V))
-            held.enter_context(weights_in_out(draft, args.weight_layout == "in-out"))  # as the verifier's
+            held.enter_context(weight_layout(draft, args.weight_layout))  # as the verifier's
             w = draft.fc.weight
             h = torch.randn(1, 1, draft.config.hidden_size, generator=g).to(device=device, dtype=w.dtype)
             # the same draft with int8 weights (W8A16, --draft-precision int8) where asked
@@ -482,9 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--weight-layout", choices=["out-in", "in-out"], default="out-in",
-                    help="how the plain, context and draft sections hold the Linear weights (as loaded, or "
-                         "[in, out]: draftsmith bench's --weight-layout)")
+    ap.add_argument("--weight-layout", choices=["out-in", "in-out", "onednn"], default="out-in",
+                    help="how the plain, context and draft sections hold and multiply the Linear weights (as "
+                         "loaded, [in, out], or through oneDNN: draftsmith bench's --weight-layout)")
     ap.add_argument("--layout-context", type=int, default=256, help="cached positions in the layout section")
     ap.add_argument("--layout-rows", type=int, default=6, help="verify steps of 1..N tokens (layout section)")
     ap.add_argument("--layout-passes", type=int, default=4, help="alternations of the two layouts (layout)")
@@ -528,10 +531,10 @@ def main(argv: list[str] | None = None) -> int:
                            "environment": environment(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                            "load_average_start": os.getloadavg()}
     t0 = time.time()
-    from draftsmith.models.verifier import weights_in_out
+    from draftsmith.models.verifier import weight_layout
 
     out["weight_layout"] = args.weight_layout
-    with weights_in_out(model, args.weight_layout == "in-out"):  # plain, context and draft sections
+    with weight_layout(model, args.weight_layout):  # plain, context and draft sections
         if "plain" in args.sections:
             section_plain(args, model, tok, out)
         if "context" in args.sections:
@@ -589,7 +592,9 @@ def report(out: dict) -> None:
         for name, curve in lay["median_ms"].items():
             print(f"  {name:7s} " + "  ".join(f"M={m}: {ms:.1f} ({lay['over_one_token'][name][m]:.2f}x)"
                                            for m, ms in curve.items()))
-        print("  in-out / out-in: " + "  ".join(f"M={m}: {v:.3f}" for m, v in lay["in_out_over_out_in"].items()))
+        for name, ratios in lay["over_out_in"].items():
+            if name != "out-in":
+                print(f"  {name} / out-in: " + "  ".join(f"M={m}: {v:.3f}" for m, v in ratios.items()))
     if "rss" in out:
         r = out["rss"]
         for k, v in r.items():

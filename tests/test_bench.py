@@ -175,6 +175,18 @@ class _WrongDrafter(Proposer):
         return Proposal((ctx.tokens[-1] + 1 + torch.arange(k)) % 128)
 
 
+def test_tiny_run_with_onednn_linears_is_lossless_and_puts_the_modules_back(tiny, tmp_path):
+    """--weight-layout onednn: every row still reproduces plain decoding (both multiply through
+    oneDNN), the report says so, and the verifier's Linear modules are plain again after."""
+    cfg = _cfg(tmp_path, num_draft_tokens=[2], weight_layout="onednn")
+    report = benchmark(tiny, _prompts(2), {"ngram": NgramProposer(), "perfect": DraftModelProposer(tiny)}, cfg,
+                       tmp_path, {"verifier": "tiny", "dataset": "synthetic"})
+    assert report["provenance"]["weight_layout"] == "onednn"
+    for r in report["rows"]:
+        assert r["identical_output_rate"] == 1.0, r["name"]
+    assert all(type(m) is torch.nn.Linear for m in tiny.modules() if isinstance(m, torch.nn.Linear))
+
+
 def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
     cfg = _cfg(tmp_path, num_draft_tokens=[2, 3], weight_layout="in-out")
     drafters = {"ngram": NgramProposer(), "perfect": DraftModelProposer(tiny), "wrong": _WrongDrafter()}

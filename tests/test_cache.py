@@ -149,6 +149,55 @@ def test_weights_in_out_keep_lean_bitwise_transformers_and_are_put_back(arch):
         assert n == 0 and all(w.is_contiguous() for w in weights)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_linears_onednn_keep_lean_bitwise_transformers_and_are_put_back(arch):
+    """--weight-layout onednn: inside the block every plain Linear multiplies through oneDNN, the lean
+    forward built there (its projections call the module) stays bitwise the transformers forward
+    there, the logits stay within rounding of MKL's, and the modules come back as loaded."""
+    from transformers import DynamicCache
+
+    from draftsmith.models.verifier import OneDNNLinear, linears_onednn, weight_layout
+
+    model = tiny_model(arch)
+    if arch == "llama":
+        model.lm_head.weight = model.model.embed_tokens.weight
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = _ids(20)
+    with torch.inference_mode():
+        loaded = model(ids[None]).logits[0]
+    with weight_layout(model, "onednn") as n:
+        assert n == len(linears) > 0 and all(type(m) is OneDNNLinear for m in linears)
+        dec = LeanDecoder(model)
+        with torch.inference_mode():
+            dc, cache = DynamicCache(config=model.config), dec.new_cache(24)
+            for a, b in [(0, 12), (12, 13), (13, 17), (17, 20)]:
+                ref = model(ids[None, a:b], cache=dc, use_cache=True).logits[0]
+                got, _ = dec.forward(ids[a:b], torch.arange(a, b), cache, b - a)
+                cache.advance(b - a)
+                assert torch.equal(got, ref), (arch, a, b)
+                torch.testing.assert_close(got, loaded[a:b], atol=1e-4, rtol=1e-4)
+    assert all(type(m) is torch.nn.Linear for m in linears)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    with linears_onednn(model, enabled=False) as n:  # negative control: nothing switched
+        assert n == 0 and all(type(m) is torch.nn.Linear for m in linears)
+
+
+def test_weight_layout_refuses_unknown_layouts_and_onednn_off_the_cpu():
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.models.verifier import weight_layout
+
+    with pytest.raises(DraftsmithError, match="expected one of"):
+        with weight_layout(torch.nn.Linear(4, 4), "columns"):
+            pass
+    with pytest.raises(DraftsmithError, match="CPU kernel"):
+        with weight_layout(torch.nn.Sequential(torch.nn.Linear(4, 4, device="meta")), "onednn"):
+            pass
+    with weight_layout(torch.nn.Sequential(torch.nn.Linear(4, 4)), "onednn") as n:  # the control: on the CPU
+        assert n == 1
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_lean_uses_its_one_call_rewrites_where_they_are_the_models(arch):
     """The bitwise test above runs the folded rope on every family, and F.rms_norm for the

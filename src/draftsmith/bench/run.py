@@ -20,7 +20,7 @@ from draftsmith.drafters import DRAFTER_HELP
 from draftsmith.engines import ENGINES, OURS
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.quantize import DRAFT_PRECISIONS, QUANTIZATIONS, quantize_draft
-from draftsmith.models.verifier import WEIGHT_LAYOUTS, weights_in_out
+from draftsmith.models.verifier import WEIGHT_LAYOUTS, weight_layout
 
 EVAL_DATASETS = ("mt-bench", "humaneval")
 
@@ -57,11 +57,13 @@ class BenchSettings:
     engines: list[str] = opt(default_factory=lambda: [OURS],
                              help=f"where to measure the EAGLE-3 drafts, side by side: {', '.join(ENGINES)} "
                                   "(vllm and llama.cpp are started as real servers on 127.0.0.1; greedy only)")
-    weight_layout: Literal["out-in", "in-out"] = opt(
-        "out-in", "how the verifier's and drafts' Linear weights are held while measuring: out-in (as loaded) "
-                  "or in-out (transposed in memory: float32 CPU verify steps of 4+ tokens, k >= 3, avoid MKL's "
-                  "GEMM cliff, ~15% cheaper; 2 tokens ~4% dearer; results differ by rounding; the weights are "
-                  "held twice meanwhile)")
+    weight_layout: Literal["out-in", "in-out", "onednn"] = opt(
+        "out-in", "how the verifier's and drafts' Linear weights are held and multiplied while measuring: "
+                  "out-in (as loaded); in-out (transposed in memory: float32 CPU verify steps of 4+ tokens, "
+                  "k >= 3, avoid MKL's GEMM cliff, ~15% cheaper on Intel; 2 tokens ~4% dearer; the weights are "
+                  "held twice meanwhile); onednn (CPU: oneDNN's matmul instead of MKL's float32 GEMM, on the "
+                  "same weights; on AMD EPYC a one-token step ~0.7x and 2-5 token verify steps nearly flat). "
+                  "Results differ from out-in by rounding; every row of a run uses the same one")
     quantize: list[str] = opt(default_factory=list,
                               help="also measure the verifier quantized, plainly and with each drafter: "
                                    + "; ".join(f"{k} ({v[1]})" for k, v in QUANTIZATIONS.items())
@@ -176,7 +178,7 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
     def held_layout() -> contextlib.ExitStack:
         held = contextlib.ExitStack()
         for m in [model, *drafts]:
-            held.enter_context(weights_in_out(m, layout == "in-out"))
+            held.enter_context(weight_layout(m, layout))
         return held
 
     pre = None

@@ -206,8 +206,8 @@ def context_length(model: torch.nn.Module) -> int | None:
     return getattr(text_config(model), "max_position_embeddings", None)
 
 
-#: how a measurement holds the verifier's Linear weights in memory (``--weight-layout``)
-WEIGHT_LAYOUTS = ("out-in", "in-out")
+#: how a measurement holds and multiplies the verifier's Linear weights (``--weight-layout``)
+WEIGHT_LAYOUTS = ("out-in", "in-out", "onednn")
 
 
 def _plain_linear_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -249,3 +249,56 @@ def weights_in_out(model: torch.nn.Module, enabled: bool = True) -> Iterator[int
     finally:
         for w, data in loaded:  # the loaded tensors themselves: no copy back, and bitwise as loaded
             w.data = data
+
+
+class OneDNNLinear(torch.nn.Linear):
+    """An ``nn.Linear`` whose product runs through oneDNN's matmul (the kernel torch's own bfloat16
+    linear takes on a CPU) instead of MKL's float32 GEMM; same weight, same bias, no copy."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+@contextlib.contextmanager
+def linears_onednn(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
+    """Multiply ``model``'s plain Linear layers with oneDNN while the block runs; put them back after.
+
+    On the AMD EPYC measured in BENCHMARKS.md (Zen 4, no AMX), MKL's float32 GEMM on a SmolLM2
+    step's weights costs 1.6-2.0x its one-row cost at 2-3 rows, so a verify step of 2 tokens
+    costs ~1.5 one-token steps and no draft can pay for itself; oneDNN's matmul on the same
+    weights costs 0.69x MKL's at one row and stays within ~1.2x of that up to 5 rows. The module
+    class is swapped in place (to :class:`OneDNNLinear`), so every caller (transformers' forward,
+    a lean decoder built inside the block, whose projections call the module) runs the same
+    kernel and they stay bitwise equal to each other; against MKL results differ by rounding, so
+    a report states the layout it measured with. CPU only.
+
+    Yields:
+        The number of Linear layers switched (0 when not ``enabled``).
+    """
+    mods = []
+    if enabled:
+        if not torch.backends.mkldnn.is_available():
+            raise DraftsmithError("--weight-layout onednn: this torch build has no oneDNN (mkldnn)")
+        for mod in model.modules():
+            if type(mod) is torch.nn.Linear and mod.weight.is_floating_point():
+                if mod.weight.device.type != "cpu":
+                    raise DraftsmithError(f"--weight-layout onednn is a CPU kernel; the model is on "
+                                          f"{mod.weight.device.type}")
+                mods.append(mod)
+    for mod in mods:
+        mod.__class__ = OneDNNLinear
+    try:
+        yield len(mods)
+    finally:
+        for mod in mods:
+            mod.__class__ = torch.nn.Linear
+
+
+def weight_layout(model: torch.nn.Module, layout: str) -> contextlib.AbstractContextManager[int]:
+    """The block that holds ``model``'s Linear weights as ``layout`` (one of :data:`WEIGHT_LAYOUTS`):
+    as loaded, :func:`weights_in_out` or :func:`linears_onednn`."""
+    if layout not in WEIGHT_LAYOUTS:
+        raise DraftsmithError(f"--weight-layout: expected one of {list(WEIGHT_LAYOUTS)}, got {layout!r}")
+    if layout == "onednn":
+        return linears_onednn(model)
+    return weights_in_out(model, layout == "in-out")
