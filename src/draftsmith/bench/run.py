@@ -62,7 +62,8 @@ class BenchSettings:
                   "out-in (as loaded); in-out (transposed in memory: float32 CPU verify steps of 4+ tokens, "
                   "k >= 3, avoid MKL's GEMM cliff, ~15% cheaper on Intel; 2 tokens ~4% dearer; the weights are "
                   "held twice meanwhile); onednn (CPU: oneDNN's matmul instead of MKL's float32 GEMM, on the "
-                  "same weights; on AMD EPYC a one-token step ~0.7x and 2-5 token verify steps nearly flat). "
+                  "same weights; on AMD EPYC a one-token step ~0.9x, a verify step of 2-6 tokens 1.16-1.28x a one-token "
+                  "step instead of 1.4-2.2x). "
                   "Results differ from out-in by rounding; every row of a run uses the same one")
     quantize: list[str] = opt(default_factory=list,
                               help="also measure the verifier quantized, plainly and with each drafter: "

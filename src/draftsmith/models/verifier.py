@@ -264,9 +264,10 @@ def linears_onednn(model: torch.nn.Module, enabled: bool = True) -> Iterator[int
     """Multiply ``model``'s plain Linear layers with oneDNN while the block runs; put them back after.
 
     On the AMD EPYC measured in BENCHMARKS.md (Zen 4, no AMX), MKL's float32 GEMM on a SmolLM2
-    step's weights costs 1.6-2.0x its one-row cost at 2-3 rows, so a verify step of 2 tokens
-    costs ~1.5 one-token steps and no draft can pay for itself; oneDNN's matmul on the same
-    weights costs 0.69x MKL's at one row and stays within ~1.2x of that up to 5 rows. The module
+    step's weights costs 1.6-2.1x its one-row cost at 2-3 rows, so a verify step of 2 tokens
+    costs ~1.5-1.7 one-token steps and a draft must be right far more often to pay for itself;
+    oneDNN's matmul on the same weights costs 0.69x MKL's at one row and stays within 1.3x of
+    that up to 8 rows (the whole lean step: 0.89x at one token, 1.16-1.28x of it at 2-6). The module
     class is swapped in place (to :class:`OneDNNLinear`), so every caller (transformers' forward,
     a lean decoder built inside the block, whose projections call the module) runs the same
     kernel and they stay bitwise equal to each other; against MKL results differ by rounding, so
