@@ -114,13 +114,27 @@ def test_lean_steps_bitwise_equal_transformers(arch):
             assert torch.equal(got, ref), (arch, a, b)
 
 
+def _lean_steps_match_transformers(model, ids, loaded) -> None:
+    """A lean decoder built now steps bitwise as the transformers forward does now (prefill, one
+    token, several), and both stay within rounding of ``loaded``, the logits of another kernel."""
+    from transformers import DynamicCache
+
+    dec = LeanDecoder(model)
+    with torch.inference_mode():
+        dc, cache = DynamicCache(config=model.config), dec.new_cache(24)
+        for a, b in [(0, 12), (12, 13), (13, 17), (17, 20)]:
+            ref = model(ids[None, a:b], cache=dc, use_cache=True).logits[0]
+            got, _ = dec.forward(ids[a:b], torch.arange(a, b), cache, b - a)
+            cache.advance(b - a)
+            assert torch.equal(got, ref), (a, b)
+            torch.testing.assert_close(got, loaded[a:b], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_weights_in_out_keep_lean_bitwise_transformers_and_are_put_back(arch):
     """--weight-layout in-out: inside the block every Linear weight is stored [in, out] (a tied one
     once), the lean forward built there stays bitwise the transformers forward there, the logits
     stay within rounding of the loaded layout's, and the weights come back bitwise as loaded."""
-    from transformers import DynamicCache
-
     from draftsmith.models.verifier import _plain_linear_weights, weights_in_out
 
     model = tiny_model(arch)
@@ -134,15 +148,7 @@ def test_weights_in_out_keep_lean_bitwise_transformers_and_are_put_back(arch):
     with weights_in_out(model) as n:
         assert n == len(weights) > 0
         assert all(w.t().is_contiguous() and not w.is_contiguous() for w in weights)
-        dec = LeanDecoder(model)
-        with torch.inference_mode():
-            dc, cache = DynamicCache(config=model.config), dec.new_cache(24)
-            for a, b in [(0, 12), (12, 13), (13, 17), (17, 20)]:
-                ref = model(ids[None, a:b], cache=dc, use_cache=True).logits[0]
-                got, _ = dec.forward(ids[a:b], torch.arange(a, b), cache, b - a)
-                cache.advance(b - a)
-                assert torch.equal(got, ref), (arch, a, b)
-                torch.testing.assert_close(got, loaded[a:b], atol=1e-4, rtol=1e-4)
+        _lean_steps_match_transformers(model, ids, loaded)
     for name, p in model.named_parameters():
         assert p.is_contiguous() and torch.equal(p, before[name]), name
     with weights_in_out(model, enabled=False) as n:  # negative control: nothing moves
@@ -154,8 +160,6 @@ def test_linears_onednn_keep_lean_bitwise_transformers_and_are_put_back(arch):
     """--weight-layout onednn: inside the block every plain Linear multiplies through oneDNN, the lean
     forward built there (its projections call the module) stays bitwise the transformers forward
     there, the logits stay within rounding of MKL's, and the modules come back as loaded."""
-    from transformers import DynamicCache
-
     from draftsmith.models.verifier import OneDNNLinear, linears_onednn, weight_layout
 
     model = tiny_model(arch)
@@ -168,15 +172,7 @@ def test_linears_onednn_keep_lean_bitwise_transformers_and_are_put_back(arch):
         loaded = model(ids[None]).logits[0]
     with weight_layout(model, "onednn") as n:
         assert n == len(linears) > 0 and all(type(m) is OneDNNLinear for m in linears)
-        dec = LeanDecoder(model)
-        with torch.inference_mode():
-            dc, cache = DynamicCache(config=model.config), dec.new_cache(24)
-            for a, b in [(0, 12), (12, 13), (13, 17), (17, 20)]:
-                ref = model(ids[None, a:b], cache=dc, use_cache=True).logits[0]
-                got, _ = dec.forward(ids[a:b], torch.arange(a, b), cache, b - a)
-                cache.advance(b - a)
-                assert torch.equal(got, ref), (arch, a, b)
-                torch.testing.assert_close(got, loaded[a:b], atol=1e-4, rtol=1e-4)
+        _lean_steps_match_transformers(model, ids, loaded)
     assert all(type(m) is torch.nn.Linear for m in linears)
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
