@@ -187,6 +187,72 @@ def test_tiny_run_with_onednn_linears_is_lossless_and_puts_the_modules_back(tiny
     assert all(type(m) is torch.nn.Linear for m in tiny.modules() if isinstance(m, torch.nn.Linear))
 
 
+def test_pick_layout_keeps_the_fastest_plain_step_and_breaks_ties_by_verify_cost():
+    """--weight-layout auto: plain decoding (T(1)) is never made slower to flatter a draft; within the
+    tie band the cheaper verify steps win; exact ties keep the loaded layout."""
+    pick = measure.pick_layout
+    # oneDNN faster everywhere (the EPYC's case): chosen
+    assert pick({"out-in": {1: 58.0, 2: 99.0, 4: 88.0}, "onednn": {1: 52.0, 2: 60.0, 4: 64.0}}, [1, 3]) == "onednn"
+    # the loaded layout's one-token step 5% faster: it stays, however cheap oneDNN's verify steps are
+    # (the negative control: a choice by verify cost alone would take oneDNN)
+    t = {"out-in": {1: 50.0, 2: 52.0, 4: 80.0}, "onednn": {1: 52.5, 2: 54.0, 4: 56.0}}
+    assert pick(t, [1, 3]) == "out-in"
+    assert min(t, key=lambda lay: t[lay][2] + t[lay][4]) == "onednn"
+    # within the 3% band: the verify steps decide, and only those of the k asked
+    t = {"out-in": {1: 50.0, 2: 80.0, 4: 52.0}, "onednn": {1: 51.0, 2: 56.0, 4: 60.0}}
+    assert pick(t, [1]) == "onednn" and pick(t, [3]) == "out-in"
+    assert pick(t, [1], tie=0.0) == "out-in"
+    # the same times: as loaded (first)
+    assert pick({"out-in": {1: 1.0, 2: 1.0}, "onednn": {1: 1.0, 2: 1.0}}, [1]) == "out-in"
+
+
+def test_choose_weight_layout_times_each_candidate_inside_its_layout(tiny, monkeypatch):
+    """The probe times the verifier inside each layout, alternating, and picks by those times; the
+    modules are as loaded after. A fake step clock makes oneDNN cheaper, then dearer (the control)."""
+    from draftsmith.models.verifier import OneDNNLinear
+
+    assert measure.layout_candidates(tiny) == ["out-in", "onednn"]
+    meta = torch.nn.Sequential(torch.nn.Linear(4, 4, device="meta"))
+    assert measure.layout_candidates(meta) == ["out-in"]
+    assert measure.choose_weight_layout(meta, [1, 2, 3], [1], 8)["layout"] == "out-in"
+    for onednn_cost, expected in ((0.5, "onednn"), (2.0, "out-in")):
+        seen = []
+
+        def fake(model, context, ns, repeats=9, warmup=2, **kw):
+            lay = "onednn" if any(type(m) is OneDNNLinear for m in model.modules()) else "out-in"
+            seen.append((lay, len(context), list(ns)))
+            scale = onednn_cost if lay == "onednn" else 1.0
+            return {n: scale * (1.0 + 0.1 * n) for n in ns}
+
+        monkeypatch.setattr(measure, "measure_verify_costs", fake)
+        choice = measure.choose_weight_layout(tiny, [5, 6, 7, 8], [1, 3], max_new_tokens=10, passes=2)
+        assert choice["layout"] == expected
+        assert [s[0] for s in seen] == ["out-in", "onednn", "onednn", "out-in"]  # alternating passes
+        assert all(ns == [1, 2, 4] and n == 4 + 5 for _, n, ns in seen)  # k + 1 for k in ks; mid-reply context
+        assert choice["t_seconds"]["onednn"][2] == pytest.approx(onednn_cost * 1.2)
+        assert all(type(m) is torch.nn.Linear for m in tiny.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_tiny_run_with_auto_layout_reports_its_choice_and_is_lossless(tiny, tmp_path):
+    """--weight-layout auto (the default) times both layouts, measures every row in the one it picked,
+    and says so in report.json and report.md; every row still reproduces plain decoding."""
+    cfg = _cfg(tmp_path, num_draft_tokens=[2])
+    assert cfg.weight_layout == "auto"
+    report = benchmark(tiny, _prompts(2), {"ngram": NgramProposer(), "perfect": DraftModelProposer(tiny)}, cfg,
+                       tmp_path, {"verifier": "tiny", "dataset": "synthetic"})
+    choice = report["weight_layout_choice"]
+    assert report["provenance"]["weight_layout"] == choice["layout"] in ("out-in", "onednn")
+    assert report["provenance"]["weight_layout_asked"] == "auto"
+    assert set(choice["t_seconds"]) == {"out-in", "onednn"}
+    assert all(set(t) == {"1", "3"} and min(t.values()) > 0 for t in choice["t_seconds"].values())
+    t = {lay: {int(n): s for n, s in v.items()} for lay, v in choice["t_seconds"].items()}
+    assert choice["layout"] == measure.pick_layout(t, [2])
+    for r in report["rows"]:
+        assert r["identical_output_rate"] == 1.0, r["name"]
+    assert f"Weight layout: **{choice['layout']}**" in (tmp_path / "report.md").read_text()
+    assert all(type(m) is torch.nn.Linear for m in tiny.modules() if isinstance(m, torch.nn.Linear))
+
+
 def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
     cfg = _cfg(tmp_path, num_draft_tokens=[2, 3], weight_layout="in-out")
     drafters = {"ngram": NgramProposer(), "perfect": DraftModelProposer(tiny), "wrong": _WrongDrafter()}
@@ -373,7 +439,10 @@ def test_bench_cli_on_smollm2(tmp_path):
     assert rc == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["provenance"]["fingerprint"] and report["rows"][1]["identical_output_rate"] == 1.0
-    assert report["provenance"]["weight_layout"] == "out-in"  # the default: the weights as loaded
+    # the default, auto: both layouts timed on this CPU, the rows measured in the one picked
+    assert report["provenance"]["weight_layout_asked"] == "auto"
+    assert report["provenance"]["weight_layout"] == report["weight_layout_choice"]["layout"]
+    assert set(report["weight_layout_choice"]["t_seconds"]) == {"out-in", "onednn"}
 
 
 def test_monotone_fit_pools_violators():

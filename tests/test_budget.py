@@ -317,6 +317,20 @@ def test_bench_rows_count_every_precision_quantization_and_reference():
     assert B.pilot_seconds(FAST, base, drafts=2) == 0.0  # negative control: no choice, no pilot
 
 
+def test_layout_probe_is_priced_for_auto_only():
+    """--weight-layout auto's probe: 2 layouts x 2 passes, each a prefill of the cost context and
+    6 steps of each n in {1, k + 1} (n tokens at 1 + 0.1 (n - 1) one-token steps); a fixed layout
+    costs nothing (the negative control)."""
+    from draftsmith.bench import BenchSettings
+
+    auto = BenchSettings(num_draft_tokens=[1, 3], max_new_tokens=128)
+    assert auto.weight_layout == "auto"
+    steps = 6 * (1.0 + 1.1 + 1.3)  # n = 1, 2, 4
+    prefill = (FAST.prompt_tokens + 64) * FAST.capture_per_token
+    assert B.layout_probe_seconds(FAST, auto) == pytest.approx(4 * (prefill + steps * FAST.decode_per_token))
+    assert B.layout_probe_seconds(FAST, BenchSettings(weight_layout="out-in")) == 0.0
+
+
 def test_small_preset_chooses_k_and_plans_its_pilot(tmp_path):
     from draftsmith.pipeline.config import build_config
 

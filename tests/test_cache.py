@@ -346,6 +346,31 @@ def test_compiled_steps_equal_eager_and_are_reused():
             assert (compiled.stats["compile_seconds"] > 0) == (i == 0)  # the second prompt reuses the graphs
 
 
+@pytest.mark.slow
+def test_compiled_steps_follow_the_weight_layout():
+    """--compile inside --weight-layout onednn: compiled tokens equal eager ones there; a step compiled
+    as loaded (its projections bound to MKL's mm) is rebuilt inside the block and again after it,
+    and reused while the layout stays (the control)."""
+    from draftsmith.decoding.runner import _COMPILED, projections_held
+    from draftsmith.models.verifier import OneDNNLinear, weight_layout
+
+    verifier = tiny_model("llama", layers=2)
+    prompt = _ids(10, 3).tolist()
+    run = lambda **kw: generate(verifier, prompt, max_new_tokens=16, eos_token_id=[], **kw)  # noqa: E731
+    run(compile=True)
+    loaded = _COMPILED[verifier]
+    with weight_layout(verifier, "onednn"):
+        eager, compiled = run(), run(compile=True)
+        assert compiled.token_ids == eager.token_ids and compiled.stats["engine"] == "lean+compiled"
+        inside = _COMPILED[verifier]
+        assert inside is not loaded and inside.held == projections_held(verifier)
+        assert inside.decoder.layers[0].q.__func__ is OneDNNLinear.forward
+        run(compile=True)
+        assert _COMPILED[verifier] is inside  # same layout: the graphs are reused
+    run(compile=True)
+    assert _COMPILED[verifier] is not inside and _COMPILED[verifier].held == loaded.held
+
+
 # --- batched generation (regeneration's engine) -------------------------------------------------
 
 def _prompts(lengths=(5, 17, 9, 30, 12, 3), seed=0):

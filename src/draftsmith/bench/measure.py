@@ -432,6 +432,70 @@ def choose_ks(state: BenchState, proposers: dict[str, Proposer], ks: Sequence[in
     return out
 
 
+#: ``--weight-layout auto``: a layout whose one-token step is within this fraction of the fastest
+#: one counts as tied with it for plain decoding; among tied ones the cheapest verify steps win.
+LAYOUT_TIE = 0.03
+#: ``--weight-layout auto``'s probe: passes over the candidates, and timed repeats per step size
+LAYOUT_PASSES, LAYOUT_REPEATS = 2, 5
+
+
+def layout_candidates(model: torch.nn.Module) -> list[str]:
+    """The layouts ``--weight-layout auto`` times for ``model``: as loaded and, on a CPU whose torch
+    has oneDNN, oneDNN's matmul on the same weights. ``in-out`` is left out: it holds the weights
+    twice. On any other device only the loaded layout applies."""
+    p = next(model.parameters())
+    if p.device.type == "cpu" and p.is_floating_point() and torch.backends.mkldnn.is_available():
+        return ["out-in", "onednn"]
+    return ["out-in"]
+
+
+def pick_layout(t: Mapping[str, Mapping[int, float]], ks: Sequence[int], tie: float = LAYOUT_TIE) -> str:
+    """The layout ``--weight-layout auto`` measures with, from its step times ``t[layout][n]``.
+
+    Plain decoding is the baseline every speedup divides by, so it must not be made slower to
+    flatter a draft: only layouts whose one-token step T(1) is within ``tie`` of the fastest
+    qualify; among those, the one whose verify steps of ``k + 1`` tokens (``k`` in ``ks``) cost
+    least in sum wins, and on equal sums the first in ``t``'s order (as loaded first).
+    """
+    fastest = min(v[1] for v in t.values())
+    close = [lay for lay, v in t.items() if v[1] <= fastest * (1 + tie)]
+    return min(close, key=lambda lay: sum(t[lay][k + 1] for k in ks))
+
+
+def choose_weight_layout(model: torch.nn.Module, prompt: Sequence[int], ks: Sequence[int], max_new_tokens: int,
+                         passes: int = LAYOUT_PASSES, repeats: int = LAYOUT_REPEATS) -> dict[str, Any]:
+    """``--weight-layout auto``: time the verifier's steps in each of :func:`layout_candidates` and
+    :func:`pick_layout` the one to measure with.
+
+    Each candidate's one-token step and verify steps of ``k + 1`` tokens are timed as the bench's
+    step costs are (:func:`measure_verify_costs`, at the same context), the candidates
+    alternating over ``passes`` so drift hits both alike; per layout and n, the median of the
+    passes. Eager steps: the kernel's cost is what differs between layouts.
+
+    Returns:
+        ``{"layout", "candidates", "t_seconds" ({layout: {n: seconds}}, empty when only one layout
+        applies), "context_tokens", "tie"}``.
+    """
+    from draftsmith.models.verifier import weight_layout
+
+    candidates = layout_candidates(model)
+    out: dict[str, Any] = {"layout": candidates[0], "candidates": candidates, "t_seconds": {}, "tie": LAYOUT_TIE}
+    if len(candidates) == 1:
+        return out
+    ns = sorted({1, *(k + 1 for k in ks)})
+    context = cost_context(model, prompt, max_new_tokens, max(ns))
+    seen: dict[str, dict[int, list[float]]] = {lay: {n: [] for n in ns} for lay in candidates}
+    for p in range(passes):
+        for lay in candidates[p % len(candidates):] + candidates[:p % len(candidates)]:
+            with weight_layout(model, lay):
+                t = measure_verify_costs(model, context, ns, repeats=repeats, warmup=1)
+            for n in ns:
+                seen[lay][n].append(t[n])
+    times = {lay: {n: statistics.median(v) for n, v in d.items()} for lay, d in seen.items()}
+    out.update(layout=pick_layout(times, ks), t_seconds=times, context_tokens=len(context))
+    return out
+
+
 def load_average() -> float | None:
     """1-minute load average (None where the OS has none): other work on the machine skews timings."""
     try:
@@ -467,6 +531,7 @@ class BenchState:
     warmup_compile_seconds: dict[int, float] = field(default_factory=dict)  # row -> its warm-up run's compile time
     costs_compile_seconds: float = 0.0  # compiling the steps while their costs were measured (first, usually)
     k_choice: dict[str, dict[str, Any]] = field(default_factory=dict)  # drafter -> choose_ks's choice and evidence
+    layout_choice: dict[str, Any] | None = None  # --weight-layout auto's timings and choice
     partial: bool = False
     note: str = ""
     started: float = field(default_factory=time.time)
@@ -521,19 +586,25 @@ def measure_interleaved(state: BenchState, max_new_tokens: int, temperature: flo
                     bar.update()
 
 
+def cost_context(model: torch.nn.Module, prompt: Sequence[int], max_new_tokens: int, k_max: int) -> list[int]:
+    """The context the step costs are measured after: the prompt, repeated to the mid-generation
+    length (where the average step happens), within the model's maximum context."""
+    limit = getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "max_position_embeddings",
+                    None)
+    target = len(prompt) + max_new_tokens // 2
+    if limit is not None:
+        target = min(target, limit - k_max - 2)
+    return (list(prompt) * (target // len(prompt) + 1))[:target]
+
+
 def measure_costs(state: BenchState, proposers: dict[str, Proposer], ks: Sequence[int], max_new_tokens: int,
                   temperature: float, seed: int, compile: bool = False) -> None:
     """Fill ``state.costs`` (T_verify(n)) and per-drafter propose costs for this machine and model."""
     model = state.rows[0].model
     prompt = state.prompts[0][1]
     k_max = max(max(ks), 8)
-    limit = getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "max_position_embeddings",
-                    None)
-    # Measure at the mid-generation context length, where the average step happens.
-    target = len(prompt) + max_new_tokens // 2
-    if limit is not None:
-        target = min(target, limit - k_max - 2)
-    context = (prompt * (target // len(prompt) + 1))[:target]
+    context = cost_context(model, prompt, max_new_tokens, k_max)
+    target = len(context)
 
     def compiled(seconds: float) -> None:  # compile time spent while the costs were measured
         state.costs_compile_seconds += seconds

@@ -206,9 +206,34 @@ def build_report(state: BenchState, cfg: BenchConfig, provenance: dict[str, Any]
             "compile_seconds": state.costs_compile_seconds},
         "break_even": _break_even(state, rows, cfg),
         "k_choice": state.k_choice,
+        "weight_layout_choice": _layout_choice(state.layout_choice),
         "engine_agreement": engine_agreement(rows),
         "which_to_choose": which_to_choose(rows, cfg.temperature),
     }
+
+
+def _layout_choice(choice: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``--weight-layout auto``'s evidence, JSON-ready (step counts as string keys)."""
+    if choice is None:
+        return None
+    return {**choice, "t_seconds": {lay: {str(n): s for n, s in t.items()} for lay, t in choice["t_seconds"].items()}}
+
+
+def layout_words(choice: dict[str, Any] | None) -> str | None:
+    """One line on the weight layout ``--weight-layout auto`` chose, and on what evidence."""
+    if not choice:
+        return None
+    t, lay = choice["t_seconds"], choice["layout"]
+    if not t:
+        return f"Weight layout: {lay} (`--weight-layout auto`: the only one that applies on this device)."
+    ns = sorted({int(n) for v in t.values() for n in v} - {1})
+    parts = []
+    for name, v in t.items():
+        verify = ", ".join(f"{n} tokens {v[str(n)] / v['1']:.2f}x" for n in ns)
+        parts.append(f"{name}: T(1) {_fmt_ms(v['1'])}" + (f", a verify step of {verify} that" if verify else ""))
+    return (f"Weight layout: **{lay}**, chosen by `--weight-layout auto` from the verifier's steps timed in each "
+            f"(at {choice.get('context_tokens', '?')} cached tokens; fastest one-token step within "
+            f"{choice['tie']:.0%}, then the cheapest verify steps): " + "; ".join(parts) + ".")
 
 
 def _lossless(row: dict[str, Any], temperature: float) -> str:
@@ -366,6 +391,9 @@ def render_markdown(report: dict[str, Any]) -> str:
                           f"(largest margin {worst['margin']:.3g}, float32 {worst['margin_float32']:.3g}, tolerance "
                           f"{worst['tolerance']:.3g} = {TIE_ULPS:g} ulps of {prov.get('dtype', '?')}): verifying "
                           "several tokens at once rounds differently from one at a time; identical up to ties."]
+    layout = layout_words(report.get("weight_layout_choice"))
+    if layout:
+        lines += ["", layout]
     costs = report["costs"]
     if costs:
         tv = costs["t_verify_seconds"]

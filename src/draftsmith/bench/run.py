@@ -10,9 +10,9 @@ from typing import Any, Literal
 
 import torch
 
-from draftsmith.bench.measure import (BenchState, Row, bench_prompts, build_rows, choose_ks, engine_rows,
-                                      judge_outputs, judge_quality, measure_costs, measure_interleaved,
-                                      precision_label, quantized_rows)
+from draftsmith.bench.measure import (LAYOUT_TIE, BenchState, Row, bench_prompts, build_rows, choose_ks,
+                                      choose_weight_layout, engine_rows, judge_outputs, judge_quality,
+                                      measure_costs, measure_interleaved, precision_label, quantized_rows)
 from draftsmith.bench.report import build_report, render_markdown, write_report
 from draftsmith.config import opt
 from draftsmith.decoding.proposers import Eagle3Proposer, Proposer
@@ -23,6 +23,8 @@ from draftsmith.models.quantize import DRAFT_PRECISIONS, QUANTIZATIONS, quantize
 from draftsmith.models.verifier import WEIGHT_LAYOUTS, weight_layout
 
 EVAL_DATASETS = ("mt-bench", "humaneval")
+#: ``--weight-layout`` choices: ``auto`` (the bench times the candidates and picks one) or a layout
+BENCH_LAYOUTS = ("auto", *WEIGHT_LAYOUTS)
 
 
 @dataclass
@@ -57,14 +59,17 @@ class BenchSettings:
     engines: list[str] = opt(default_factory=lambda: [OURS],
                              help=f"where to measure the EAGLE-3 drafts, side by side: {', '.join(ENGINES)} "
                                   "(vllm and llama.cpp are started as real servers on 127.0.0.1; greedy only)")
-    weight_layout: Literal["out-in", "in-out", "onednn"] = opt(
-        "out-in", "how the verifier's and drafts' Linear weights are held and multiplied while measuring: "
-                  "out-in (as loaded); in-out (transposed in memory: float32 CPU verify steps of 4+ tokens, "
-                  "k >= 3, avoid MKL's GEMM cliff, ~15% cheaper on Intel; 2 tokens ~4% dearer; the weights are "
-                  "held twice meanwhile); onednn (CPU: oneDNN's matmul instead of MKL's float32 GEMM, on the "
-                  "same weights; on AMD EPYC a one-token step ~0.9x, a verify step of 2-6 tokens 1.16-1.28x a one-token "
-                  "step instead of 1.4-2.2x). "
-                  "Results differ from out-in by rounding; every row of a run uses the same one")
+    weight_layout: Literal["auto", "out-in", "in-out", "onednn"] = opt(
+        "auto", "how the verifier's and drafts' Linear weights are held and multiplied while measuring: "
+                "auto (the default: before anything is timed, the verifier's one-token and verify steps are "
+                "timed as loaded and, on a CPU, through oneDNN; the layout whose one-token step (plain "
+                f"decoding, the baseline) is fastest, within {LAYOUT_TIE:.0%}, wins, and among those the one with "
+                "the cheapest verify steps; the report says which and why); out-in (as loaded); in-out "
+                "(transposed in memory: float32 CPU verify steps of 4+ tokens, k >= 3, avoid MKL's GEMM cliff, "
+                "~15% cheaper on Intel; 2 tokens ~4% dearer; the weights are held twice meanwhile); onednn "
+                "(CPU: oneDNN's matmul instead of MKL's float32 GEMM, on the same weights; on AMD EPYC a "
+                "one-token step ~0.9x, a verify step of 2-6 tokens 1.16-1.28x a one-token step instead of "
+                "1.4-2.2x). Results differ between layouts by rounding; every row of a run uses the same one")
     quantize: list[str] = opt(default_factory=list,
                               help="also measure the verifier quantized, plainly and with each drafter: "
                                    + "; ".join(f"{k} ({v[1]})" for k, v in QUANTIZATIONS.items())
@@ -116,8 +121,8 @@ class BenchSettings:
             raise DraftsmithError(f"--temperature must be >= 0, got {self.temperature}")
         if self.threads is not None and self.threads < 1:
             raise DraftsmithError(f"--threads must be >= 1, got {self.threads}")
-        if self.weight_layout not in WEIGHT_LAYOUTS:
-            raise DraftsmithError(f"--weight-layout: expected one of {list(WEIGHT_LAYOUTS)}, "
+        if self.weight_layout not in BENCH_LAYOUTS:
+            raise DraftsmithError(f"--weight-layout: expected one of {list(BENCH_LAYOUTS)}, "
                                   f"got {self.weight_layout!r}")
         if self.target_speedup <= 0:
             raise DraftsmithError(f"--target-speedup must be > 0, got {self.target_speedup}")
@@ -172,7 +177,13 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
                cfg: BenchConfig, out_dir: Path, provenance: dict[str, Any] | None, draft_dirs: dict[str, Path],
                servers: contextlib.ExitStack, pilot: list[tuple[str, list[int]]]) -> dict[str, Any]:
     proposers = with_draft_precisions(proposers, cfg.draft_precision)
-    layout = cfg.weight_layout
+    layout, layout_choice = cfg.weight_layout, None
+    if layout == "auto":
+        if cfg.progress:
+            print("bench: choosing the weight layout (--weight-layout auto): timing the verifier's steps ...",
+                  file=sys.stderr)
+        layout_choice = choose_weight_layout(model, prompts[0][1], cfg.num_draft_tokens, cfg.max_new_tokens)
+        layout = layout_choice["layout"]
     # the EAGLE-3 drafts' weights are held as the verifier's, so draft and verifier steps stay comparable
     drafts = [p.draft for p in proposers.values() if isinstance(getattr(p, "draft", None), torch.nn.Module)]
 
@@ -209,9 +220,11 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
         for name in ("costs", "draft_per_call", "draft_fit", "costs_compile_seconds", "k_choice", "started",
                      "load_at_start"):
             setattr(state, name, getattr(pre, name))
+    state.layout_choice = layout_choice
     param = next(model.parameters())
     provenance = {**(provenance or {}), "dtype": str(param.dtype).removeprefix("torch."), "device": str(param.device),
-                  "weight_layout": layout, "draft_precision": cfg.draft_precision, "compile": cfg.compile}
+                  "weight_layout": layout, "weight_layout_asked": cfg.weight_layout,
+                  "draft_precision": cfg.draft_precision, "compile": cfg.compile}
     # every row decodes inside the block (the quantized rows hold their own copies, made above)
     with held_layout():
         return _measure(state, model, proposers, cfg, out_dir, provenance)

@@ -77,6 +77,7 @@ class _CompiledStep:
 
     def __init__(self, decoder: LeanDecoder) -> None:
         self.decoder = decoder
+        self.held: tuple = ()  # projections_held(model) when it was built
         self.cuda = decoder.device.type == "cuda"
         self.caches: dict[str, KVCache] = {}
         self.warm: set[tuple] = set()  # (capacity, one-token?, aux) shapes already compiled
@@ -133,6 +134,19 @@ class _CompiledStep:
 
 _COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, _CompiledStep]" = weakref.WeakKeyDictionary()
 
+
+def projections_held(model: torch.nn.Module) -> tuple:
+    """What a lean decoder binds of ``model``'s Linear layers when it is built: each one's class and
+    its weight's storage. A compiled step built under another ``--weight-layout`` (oneDNN's class,
+    the weights held transposed) would keep multiplying the old way, so it is rebuilt on a change."""
+    held = []
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            w = getattr(m, "weight", None)
+            plain = isinstance(w, torch.Tensor) and type(w.data) is torch.Tensor
+            held.append((type(m), w.data_ptr() if plain else id(w), tuple(w.stride()) if plain else None))
+    return tuple(held)
+
 # Compiled caches come in sizes of this many positions, so prompts of similar length share graphs.
 CAPACITY_BUCKET = 512
 
@@ -156,9 +170,10 @@ class LeanRunner(VerifierRunner):
             self.decoder = LeanDecoder(model)
             self.cache = self.decoder.new_cache(capacity)
             return
-        step = _COMPILED.get(model)
-        if step is None:
+        step, held = _COMPILED.get(model), projections_held(model)
+        if step is None or step.held != held:  # new, or the weights are held otherwise now (--weight-layout)
             step = _COMPILED[model] = _CompiledStep(LeanDecoder(model))
+            step.held = held
         self.step, self.decoder = step, step.decoder
         self.cache = step.cache(role, capacity)
         self.compile_seconds = step.warmup(self.cache, self.aux, warmup_shapes)

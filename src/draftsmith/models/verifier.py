@@ -8,6 +8,7 @@ draftsmith writes (shards, drafts, reports) to the exact model it was made for.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -251,11 +252,30 @@ def weights_in_out(model: torch.nn.Module, enabled: bool = True) -> Iterator[int
             w.data = data
 
 
+@functools.lru_cache(maxsize=1)
+def _register_onednn_linear() -> None:
+    """Register ``torch.ops.draftsmith.onednn_linear``: ``x W^T + b`` through oneDNN's matmul, as an
+    op of its own, so that ``torch.compile`` keeps it as one opaque call (inductor's lowering of
+    ``mkldnn._linear_pointwise`` expects a weight it packed itself and refuses this one). On first
+    use, not at import: registering a custom op loads torch's compiler machinery."""
+
+    @torch.library.custom_op("draftsmith::onednn_linear", mutates_args=())
+    def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+    @onednn_linear.register_fake
+    def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 class OneDNNLinear(torch.nn.Linear):
     """An ``nn.Linear`` whose product runs through oneDNN's matmul (the kernel torch's own bfloat16
     linear takes on a CPU) instead of MKL's float32 GEMM; same weight, same bias, no copy."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # the same kernel, wrapped for the compiler
+            return torch.ops.draftsmith.onednn_linear(x, self.weight, self.bias)
+        # eager: the op itself (a custom op's Python dispatch would cost microseconds per call)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
@@ -286,6 +306,8 @@ def linears_onednn(model: torch.nn.Module, enabled: bool = True) -> Iterator[int
                     raise DraftsmithError(f"--weight-layout onednn is a CPU kernel; the model is on "
                                           f"{mod.weight.device.type}")
                 mods.append(mod)
+    if mods:
+        _register_onednn_linear()
     for mod in mods:
         mod.__class__ = OneDNNLinear
     try:

@@ -139,6 +139,22 @@ def pilot_seconds(rates: Rates, bench: Any, drafts: int) -> float:
     return bench_seconds(rates, runs, bench.max_new_tokens, 1, 1) - bench_seconds(rates, 0, bench.max_new_tokens, 1, 1)
 
 
+def layout_probe_seconds(rates: Rates, bench: Any) -> float:
+    """``bench.weight_layout`` auto's probe (:func:`draftsmith.bench.measure.choose_weight_layout`):
+    per candidate layout (two on a CPU) and pass, the cost context's prefill and (warm-up + repeats)
+    verify steps of each n in {1, k + 1}, each priced at a one-token step plus 10% per extra token.
+    0 for a fixed layout."""
+    if bench.weight_layout != "auto":
+        return 0.0
+    from draftsmith.bench.measure import LAYOUT_PASSES, LAYOUT_REPEATS
+
+    runs = 2 * LAYOUT_PASSES
+    ns = sorted({1, *(k + 1 for k in bench.num_draft_tokens)})
+    steps = (1 + LAYOUT_REPEATS) * sum(1 + 0.1 * (n - 1) for n in ns)
+    prefill = (rates.prompt_tokens + bench.max_new_tokens // 2) * rates.capture_per_token
+    return runs * (prefill + steps * rates.decode_per_token)
+
+
 def make_plan(budget_minutes: float, rates: Rates, *, max_new_tokens: int, epochs: float, pack_tokens: int,
               bench_max_new_tokens: int, bench_rows: int, repeats: int = 1,
               machine: dict[str, Any] | None = None, min_prompts: int = MIN_BENCH_PROMPTS,
@@ -150,7 +166,8 @@ def make_plan(budget_minutes: float, rates: Rates, *, max_new_tokens: int, epoch
     prompts; the gate judges on half of them when several k are measured); data and training share the rest at the asked ``epochs``, so the number of
     conversations is what remains divided by one conversation's regeneration, capture and
     training cost. ``bench_compile_seconds`` is reserved for compiling the bench's steps once,
-    ``bench_pilot_seconds`` for ``bench.choose_k``'s pilot decode (:func:`pilot_seconds`); the
+    ``bench_pilot_seconds`` for what the bench runs before timing (``bench.choose_k``'s pilot decode,
+    :func:`pilot_seconds`, and the weight-layout probe, :func:`layout_probe_seconds`); the
     bench gets at most ``max_prompts`` prompts.
 
     Raises:
@@ -416,7 +433,8 @@ def plan_for(cfg: Any, v: Any, vd: Any, out: Path, say: Any = print) -> Plan:
                      bench_rows=rows, repeats=cfg.bench.repeats, machine=key["machine"],
                      min_prompts=(MIN_BENCH_PROMPTS if len(cfg.bench.num_draft_tokens) == 1 or cfg.bench.choose_k
                                   else 2 * MIN_JUDGED_PROMPTS),
-                     bench_compile_seconds=compile_s, bench_pilot_seconds=pilot_seconds(rates, cfg.bench, drafts),
+                     bench_compile_seconds=compile_s, bench_pilot_seconds=pilot_seconds(rates, cfg.bench, drafts)
+                     + layout_probe_seconds(rates, cfg.bench),
                      max_prompts=MAX_BENCH_PROMPTS - (cfg.bench.pilot_prompts if cfg.bench.choose_k else 0))
     save_plan(path, key, plan)
     return plan
