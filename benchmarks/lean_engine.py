@@ -135,6 +135,9 @@ def section_plain(args, model, tok, out: dict) -> None:
         "hf-generate": hf, "ours-lean": ours("auto"), "ours-hf-dynamic": ours("hf-dynamic")}
     if args.compile:
         rows["ours-lean-compiled"] = ours("auto", compile=True)
+    if out.get("weight_layout") == "onednn":  # also as loaded (MKL): what generate gives out of the box
+        rows["hf-generate@out-in"] = as_loaded(model, hf)
+        rows["ours-lean@out-in"] = as_loaded(model, ours("auto"))
     ps = prompts(args, model, tok)
     names = list(rows)
     for name in names:  # warm-up (and compile) on the first prompt, untimed
@@ -156,8 +159,9 @@ def section_plain(args, model, tok, out: dict) -> None:
     ratios = {}
     for num, den in [("ours-lean", "hf-generate"), ("ours-lean", "ours-hf-dynamic"),
                      ("ours-hf-dynamic", "hf-generate"), ("ours-lean-compiled", "ours-lean"),
-                     ("ours-lean-compiled", "hf-generate")]:
-        if num in med:
+                     ("ours-lean-compiled", "hf-generate"), ("ours-lean", "hf-generate@out-in"),
+                     ("ours-lean@out-in", "hf-generate@out-in"), ("hf-generate", "hf-generate@out-in")]:
+        if num in med and den in med:
             r = paired_ratios(med[num], med[den])
             ratios[f"{num} / {den}"] = {"median": float(np.median(r)), "ci95": list(bootstrap_ci(r)),
                                         "min": min(r), "max": max(r), "per_prompt": r}
@@ -166,9 +170,29 @@ def section_plain(args, model, tok, out: dict) -> None:
         "tokens_per_second": {k: summarize(v) for k, v in med.items()},
         "ratios": ratios,
         "identical_to_hf_generate": {k: sum(a == b for a, b in zip(toks[k], toks["hf-generate"])) for k in names},
+        "identical_to_hf_generate_as_loaded": (
+            {k: sum(a == b for a, b in zip(toks[k], toks["hf-generate@out-in"])) for k in names}
+            if "hf-generate@out-in" in toks else None),
         "compile_seconds": compile_s,
         "target_ours_over_generate_1.25": ratios["ours-lean / hf-generate"]["median"] >= 1.25,
     }
+
+
+def as_loaded(model, fn: Callable[[list[int]], list[int]]) -> Callable[[list[int]], list[int]]:
+    """``fn`` run with the Linear layers that ``--weight-layout onednn`` switched put back as loaded
+    (MKL's GEMM) for the call, and switched again after."""
+    from draftsmith.models.verifier import OneDNNLinear
+
+    def run(ids: list[int]) -> list[int]:
+        mods = [m for m in model.modules() if type(m) is OneDNNLinear]
+        for m in mods:
+            m.__class__ = torch.nn.Linear
+        try:
+            return fn(ids)
+        finally:
+            for m in mods:
+                m.__class__ = OneDNNLinear
+    return run
 
 
 # ----------------------------------------------------------------------------------------- 2. context curve
@@ -485,9 +509,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--weight-layout", choices=["out-in", "in-out", "onednn"], default="out-in",
+    ap.add_argument("--weight-layout", choices=["auto", "out-in", "in-out", "onednn"], default="out-in",
                     help="how the plain, context and draft sections hold and multiply the Linear weights (as "
-                         "loaded, [in, out], or through oneDNN: draftsmith bench's --weight-layout)")
+                         "loaded, [in, out], through oneDNN, or auto: the one draftsmith bench's --weight-layout "
+                         "auto picks here, by its own probe); with onednn (picked or asked) the plain section "
+                         "also runs generate and our loop as loaded")
     ap.add_argument("--layout-context", type=int, default=256, help="cached positions in the layout section")
     ap.add_argument("--layout-rows", type=int, default=6, help="verify steps of 1..N tokens (layout section)")
     ap.add_argument("--layout-passes", type=int, default=4, help="alternations of the two layouts (layout)")
@@ -533,6 +559,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     from draftsmith.models.verifier import weight_layout
 
+    if args.weight_layout == "auto":
+        from draftsmith.bench.measure import choose_weight_layout
+
+        choice = choose_weight_layout(model, prompts(args, model, tok)[0], [1, 2, 3], args.max_new_tokens)
+        out["weight_layout_choice"] = choice
+        args.weight_layout = choice["layout"]
+        print(f"weight layout: {choice['layout']} (auto; T(n) ms: " + "; ".join(
+            f"{lay} " + " ".join(f"{n}:{1e3 * t:.1f}" for n, t in v.items()) for lay, v in choice["t_seconds"].items())
+            + ")", file=sys.stderr)
     out["weight_layout"] = args.weight_layout
     with weight_layout(model, args.weight_layout):  # plain, context and draft sections
         if "plain" in args.sections:
