@@ -160,6 +160,7 @@ def test_limiting_onednn_below_amx_turns_bf16_data_off(monkeypatch):
     from draftsmith.utils import cpu_has_amx
 
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     assert cpu_has_amx() and data_dtype("auto", "cpu") == "bfloat16"  # control: the flag decides
     with_amx = machine_key()
@@ -171,6 +172,35 @@ def test_limiting_onednn_below_amx_turns_bf16_data_off(monkeypatch):
     assert cpu_has_amx()
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     assert not cpu_has_amx() and data_dtype("auto", "cpu") == "float32"
+
+
+def test_avx512_bf16_without_amx_takes_the_bf16_data_step_and_training(monkeypatch):
+    """A CPU with AVX-512 BF16 and no AMX (the AMD EPYC, Zen 4) plans, regenerates and trains in
+    bfloat16 (1.6-1.75x float32 there); limiting oneDNN below BF16, or a CPU with neither, keeps
+    float32 (the controls); the plan's machine key tells them apart."""
+    import torch
+
+    from draftsmith.pipeline.budget import machine_key
+    from draftsmith.pipeline.steps import data_dtype
+    from draftsmith.train.loop import _use_bf16
+    from draftsmith.utils import cpu_fast_bf16
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert cpu_fast_bf16() and data_dtype("auto", "cpu") == "bfloat16" and _use_bf16("auto", cpu)
+    assert data_dtype("float32", "cpu") == "float32" and not _use_bf16("fp32", cpu)  # asked: kept
+    bf16_key = machine_key()
+    for isa in ("AVX2", "AVX512_CORE"):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+        assert not cpu_fast_bf16() and data_dtype("auto", "cpu") == "float32" and not _use_bf16("auto", cpu)
+        assert machine_key() != bf16_key
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert cpu_fast_bf16()
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)  # AVX2 / AVX-512 only
+    assert not cpu_fast_bf16() and data_dtype("auto", "cpu") == "float32" and not _use_bf16("auto", cpu)
 
 
 def test_prompts_regeneration_drops_are_planned_for():

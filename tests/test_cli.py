@@ -99,6 +99,23 @@ def test_draft_with_other_tokenizer_drafts_through_text(tmp_path, capsys):
     assert outs[1]["token_ids"] == outs[0]["token_ids"] and outs[1]["stats"]["drafts"] > 0
 
 
+@pytest.mark.slow
+def test_generate_weight_layouts_keep_greedy_output_the_verifiers(capsys):
+    """generate --weight-layout: inside each layout a drafter's greedy tokens are plain decoding's in
+    the same layout; auto names the layout its probe picked."""
+    base = ["generate", "--verifier", "smollm2-135m", "--prompt", "hello world", "--max-new-tokens", "12", "--json"]
+    outs = {}
+    for layout in ("onednn", "auto"):
+        for extra in ([], ["--drafter", "ngram"]):
+            assert main(base + ["--weight-layout", layout] + extra) == 0
+            outs[layout, bool(extra)] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert outs[layout, True]["token_ids"] == outs[layout, False]["token_ids"], layout
+    assert outs["onednn", False]["stats"]["weight_layout"] == "onednn"
+    assert outs["auto", False]["stats"]["weight_layout"] in ("out-in", "onednn")
+    with pytest.raises(SystemExit):  # not a layout: argparse refuses it
+        main(base + ["--weight-layout", "columns"])
+
+
 def test_help_lists_every_command(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])

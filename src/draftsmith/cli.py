@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -48,8 +49,17 @@ class GenerateConfig:
                                "time is reported apart from the decoding time")
     draft_precision: str = opt("as-loaded", "an EAGLE-3 draft's precision: "
                                + "; ".join(f"{k} ({v})" for k, v in DRAFT_PRECISIONS.items()))
+    weight_layout: Literal["out-in", "auto", "in-out", "onednn"] = opt(
+        "out-in", "how the verifier's and draft's Linear weights are held and multiplied: out-in (as loaded); "
+                  "onednn (CPU: oneDNN's matmul on the same weights; on AMD EPYC a one-token step ~0.7x MKL's); "
+                  "in-out (transposed, held twice meanwhile); auto (time the verifier's steps as loaded and "
+                  "through oneDNN first, a few seconds, and take bench's --weight-layout auto choice). "
+                  "Greedy output is the verifier's own in each; between layouts it can differ by rounding")
 
     def __post_init__(self) -> None:
+        if self.weight_layout not in ("out-in", "auto", "in-out", "onednn"):
+            raise DraftsmithError(f"--weight-layout: expected one of out-in, auto, in-out, onednn, "
+                                  f"got {self.weight_layout!r}")
         if self.draft_precision not in DRAFT_PRECISIONS:
             raise DraftsmithError(f"--draft-precision: expected one of {list(DRAFT_PRECISIONS)}, "
                                   f"got {self.draft_precision!r}")
@@ -60,17 +70,29 @@ class GenerateConfig:
 
 
 def run_generate(cfg: GenerateConfig) -> int:
+    import torch
+
     from draftsmith.data.chat import encode_prompt
     from draftsmith.decoding.engine import generate
     from draftsmith.drafters import build_proposer
-    from draftsmith.models.verifier import load_verifier
+    from draftsmith.models.verifier import load_verifier, weight_layout
 
     model, tokenizer, _ = load_verifier(cfg.verifier, dtype=cfg.dtype, device=cfg.device)
     proposer = build_proposer(cfg.drafter, model, tokenizer, dtype=cfg.dtype, draft_precision=cfg.draft_precision)
     ids = encode_prompt(tokenizer, cfg.prompt, chat=cfg.chat)
-    out = generate(model, ids, proposer=proposer, max_new_tokens=cfg.max_new_tokens,
-                   temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                   num_draft_tokens=cfg.num_draft_tokens, seed=cfg.seed, compile=cfg.compile)
+    layout = cfg.weight_layout
+    if layout == "auto":
+        from draftsmith.bench.measure import choose_weight_layout
+
+        layout = choose_weight_layout(model, ids, [cfg.num_draft_tokens], cfg.max_new_tokens)["layout"]
+    draft = getattr(proposer, "draft", None)
+    with contextlib.ExitStack() as held:
+        for m in [model] + ([draft] if isinstance(draft, torch.nn.Module) else []):
+            held.enter_context(weight_layout(m, layout))
+        out = generate(model, ids, proposer=proposer, max_new_tokens=cfg.max_new_tokens,
+                       temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                       num_draft_tokens=cfg.num_draft_tokens, seed=cfg.seed, compile=cfg.compile)
+    out.stats["weight_layout"] = layout
     text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
     if cfg.json:
         print(json.dumps({"text": text, "token_ids": out.token_ids, "stats": out.stats}))
@@ -80,7 +102,7 @@ def run_generate(cfg: GenerateConfig) -> int:
         print(f"\n[{s['new_tokens']} tokens in {s['seconds']:.2f}s = {s['tokens_per_second']:.1f} tok/s; "
               f"verifier forwards {s['verifier_forwards']}; drafts {s['drafts']}, "
               f"acceptance length {s['acceptance_length']:.2f}, acceptance rate {s['acceptance_rate']:.2f}; "
-              f"engine {s['engine']}" + (f", compiled in {s['compile_seconds']:.1f}s" if s["compile_seconds"] else "")
+              f"engine {s['engine']}, weights {layout}" + (f", compiled in {s['compile_seconds']:.1f}s" if s["compile_seconds"] else "")
               + "]")
     return 0
 

@@ -81,6 +81,21 @@ def cpu_has_amx() -> bool:
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
+def cpu_fast_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 faster than float32: AMX, or AVX-512 BF16 (Zen 4, Cooper
+    Lake). On the AMD EPYC (Zen 4, no AMX) measured in BENCHMARKS.md 9i, bfloat16 is 1.75x float32
+    for a regeneration step (batch 16) and 1.5x for a draft training step; on a CPU with neither
+    (AVX2 only) it is far slower than float32. ``ONEDNN_MAX_CPU_ISA`` below BF16 (``AVX2``,
+    ``AVX512_CORE``) turns it off, as :func:`cpu_has_amx` does for AMX.
+    """
+    if cpu_has_amx():
+        return True
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if isa and isa not in ("ALL", "DEFAULT") and "BF16" not in isa and "AMX" not in isa:
+        return False
+    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     """``None``/"auto": bfloat16 on CUDA, float32 on CPU (exact greedy equivalence is a float32 property)."""
     if isinstance(dtype, torch.dtype):

@@ -237,9 +237,9 @@ def machine_key() -> dict[str, Any]:
         cpu = m.group(1).strip() if m else None
     except OSError:
         pass
-    from draftsmith.utils import cpu_has_amx
+    from draftsmith.utils import cpu_fast_bf16, cpu_has_amx
 
-    return {"cpu": cpu, "amx": cpu_has_amx(), "threads": torch.get_num_threads(),
+    return {"cpu": cpu, "amx": cpu_has_amx(), "bf16": cpu_fast_bf16(), "threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 

@@ -63,7 +63,7 @@ class DataSection:
     samples_per_shard: int = opt(64, "conversations per capture shard (an interrupted capture resumes "
                                      "after the last complete shard)")
     dtype: str = opt("auto", "verifier dtype while regenerating and capturing: auto = bfloat16 on CUDA and on "
-                             "CPUs with AMX, else float32")
+                             "CPUs with AMX or AVX-512 BF16 (there 1.6-1.75x float32's speed), else float32")
     seed: int = opt(0, "split and sampling seed")
     endpoint: str | None = opt(None, "regenerate through this OpenAI-compatible server (vLLM, llama-server, SGLang; "
                                      "http://HOST:PORT) instead of in process, --batch-size requests in flight; it "

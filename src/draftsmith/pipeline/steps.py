@@ -23,13 +23,14 @@ from draftsmith.pipeline.config import BenchSection, DataSection, PipelineConfig
 
 
 def data_dtype(dtype: str, device: str) -> str:
-    """Resolve ``data.dtype``: "auto" is bfloat16 where it is fast (CUDA, AMX CPUs), else float32."""
+    """Resolve ``data.dtype``: "auto" is bfloat16 where it is fast (CUDA; CPUs with AMX or AVX-512
+    BF16, :func:`~draftsmith.utils.cpu_fast_bf16`), else float32."""
     if dtype != "auto":
         return dtype
-    from draftsmith.utils import cpu_has_amx, resolve_device
+    from draftsmith.utils import cpu_fast_bf16, resolve_device
 
     dev = resolve_device(device)
-    if dev.type == "cuda" or cpu_has_amx():
+    if dev.type == "cuda" or cpu_fast_bf16():
         return "bfloat16"
     return "float32"
 
