@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 from draftsmith.bench import BenchConfig, run_bench
+from draftsmith.bench.run import BENCH_LAYOUTS
 from draftsmith.config import add_arguments, from_args, opt
 from draftsmith.drafters import DRAFTER_HELP
 from draftsmith.errors import DraftsmithError, GateFailed
@@ -57,9 +58,8 @@ class GenerateConfig:
                   "Greedy output is the verifier's own in each; between layouts it can differ by rounding")
 
     def __post_init__(self) -> None:
-        if self.weight_layout not in ("out-in", "auto", "in-out", "onednn"):
-            raise DraftsmithError(f"--weight-layout: expected one of out-in, auto, in-out, onednn, "
-                                  f"got {self.weight_layout!r}")
+        if self.weight_layout not in BENCH_LAYOUTS:
+            raise DraftsmithError(f"--weight-layout: expected one of {list(BENCH_LAYOUTS)}, got {self.weight_layout!r}")
         if self.draft_precision not in DRAFT_PRECISIONS:
             raise DraftsmithError(f"--draft-precision: expected one of {list(DRAFT_PRECISIONS)}, "
                                   f"got {self.draft_precision!r}")

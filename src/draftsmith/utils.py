@@ -83,8 +83,8 @@ def cpu_has_amx() -> bool:
 
 def cpu_fast_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 faster than float32: AMX, or AVX-512 BF16 (Zen 4, Cooper
-    Lake). On the AMD EPYC (Zen 4, no AMX) measured in BENCHMARKS.md 9i, bfloat16 is 1.75x float32
-    for a regeneration step (batch 16) and 1.5x for a draft training step; on a CPU with neither
+    Lake). On the AMD EPYC (Zen 4, no AMX) measured in BENCHMARKS.md 9i, bfloat16 is 1.6-1.75x float32
+    for a regeneration step (batch 16), 1.5x for a prefill and for a draft training step; on a CPU with neither
     (AVX2 only) it is far slower than float32. ``ONEDNN_MAX_CPU_ISA`` below BF16 (``AVX2``,
     ``AVX512_CORE``) turns it off, as :func:`cpu_has_amx` does for AMX.
     """

@@ -229,8 +229,9 @@ def layout_words(choice: dict[str, Any] | None) -> str | None:
     ns = sorted({int(n) for v in t.values() for n in v} - {1})
     parts = []
     for name, v in t.items():
-        verify = ", ".join(f"{n} tokens {v[str(n)] / v['1']:.2f}x" for n in ns)
-        parts.append(f"{name}: T(1) {_fmt_ms(v['1'])}" + (f", a verify step of {verify} that" if verify else ""))
+        verify = (f", verify steps of {' / '.join(map(str, ns))} tokens "
+                  + " / ".join(f"{v[str(n)] / v['1']:.2f}x" for n in ns) + " T(1)") if ns else ""
+        parts.append(f"{name}: T(1) {_fmt_ms(v['1'])}{verify}")
     return (f"Weight layout: **{lay}**, chosen by `--weight-layout auto` from the verifier's steps timed in each "
             f"(at {choice.get('context_tokens', '?')} cached tokens; fastest one-token step within "
             f"{choice['tie']:.0%}, then the cheapest verify steps): " + "; ".join(parts) + ".")
