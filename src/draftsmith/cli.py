@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -75,7 +74,7 @@ def run_generate(cfg: GenerateConfig) -> int:
     from draftsmith.data.chat import encode_prompt
     from draftsmith.decoding.engine import generate
     from draftsmith.drafters import build_proposer
-    from draftsmith.models.verifier import load_verifier, weight_layout
+    from draftsmith.models.verifier import load_verifier, weight_layouts
 
     model, tokenizer, _ = load_verifier(cfg.verifier, dtype=cfg.dtype, device=cfg.device)
     proposer = build_proposer(cfg.drafter, model, tokenizer, dtype=cfg.dtype, draft_precision=cfg.draft_precision)
@@ -86,9 +85,7 @@ def run_generate(cfg: GenerateConfig) -> int:
 
         layout = choose_weight_layout(model, ids, [cfg.num_draft_tokens], cfg.max_new_tokens)["layout"]
     draft = getattr(proposer, "draft", None)
-    with contextlib.ExitStack() as held:
-        for m in [model] + ([draft] if isinstance(draft, torch.nn.Module) else []):
-            held.enter_context(weight_layout(m, layout))
+    with weight_layouts([model] + ([draft] if isinstance(draft, torch.nn.Module) else []), layout):
         out = generate(model, ids, proposer=proposer, max_new_tokens=cfg.max_new_tokens,
                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                        num_draft_tokens=cfg.num_draft_tokens, seed=cfg.seed, compile=cfg.compile)

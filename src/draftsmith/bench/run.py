@@ -20,7 +20,7 @@ from draftsmith.drafters import DRAFTER_HELP
 from draftsmith.engines import ENGINES, OURS
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.quantize import DRAFT_PRECISIONS, QUANTIZATIONS, quantize_draft
-from draftsmith.models.verifier import WEIGHT_LAYOUTS, weight_layout
+from draftsmith.models.verifier import WEIGHT_LAYOUTS, weight_layouts
 
 EVAL_DATASETS = ("mt-bench", "humaneval")
 #: ``--weight-layout`` choices: ``auto`` (the bench times the candidates and picks one) or a layout
@@ -187,19 +187,13 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
     # the EAGLE-3 drafts' weights are held as the verifier's, so draft and verifier steps stay comparable
     drafts = [p.draft for p in proposers.values() if isinstance(getattr(p, "draft", None), torch.nn.Module)]
 
-    def held_layout() -> contextlib.ExitStack:
-        held = contextlib.ExitStack()
-        for m in [model, *drafts]:
-            held.enter_context(weight_layout(m, layout))
-        return held
-
     pre = None
     if cfg.choose_k and proposers:
         if not pilot:
             raise DraftsmithError("--choose-k: no pilot prompts (the dataset has no prompt left after the first "
                                   "--num-prompts); lower --num-prompts or leave --choose-k off")
         pre = BenchState([Row("plain (ours)", "plain", model, compile=cfg.compile)], prompts)
-        with held_layout():
+        with weight_layouts([model, *drafts], layout):
             if cfg.progress:
                 print(f"bench: measuring step costs and a pilot decode on {len(pilot)} prompt(s) to choose k ...",
                       file=sys.stderr)
@@ -226,7 +220,7 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
                   "weight_layout": layout, "weight_layout_asked": cfg.weight_layout,
                   "draft_precision": cfg.draft_precision, "compile": cfg.compile}
     # every row decodes inside the block (the quantized rows hold their own copies, made above)
-    with held_layout():
+    with weight_layouts([model, *drafts], layout):
         return _measure(state, model, proposers, cfg, out_dir, provenance)
 
 

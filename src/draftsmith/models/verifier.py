@@ -317,6 +317,14 @@ def linears_onednn(model: torch.nn.Module, enabled: bool = True) -> Iterator[int
             mod.__class__ = torch.nn.Linear
 
 
+@contextlib.contextmanager
+def weight_layouts(models: list[torch.nn.Module], layout: str) -> Iterator[list[int]]:
+    """Every one of ``models`` (a verifier and its drafts) held as ``layout`` (:func:`weight_layout`)
+    while the block runs, so that draft and verifier steps multiply the same way."""
+    with contextlib.ExitStack() as held:
+        yield [held.enter_context(weight_layout(m, layout)) for m in models]
+
+
 def weight_layout(model: torch.nn.Module, layout: str) -> contextlib.AbstractContextManager[int]:
     """The block that holds ``model``'s Linear weights as ``layout`` (one of :data:`WEIGHT_LAYOUTS`):
     as loaded, :func:`weights_in_out` or :func:`linears_onednn`."""
