@@ -557,11 +557,13 @@ from draftsmith.bench import measure
 def rss_mb():
     return int(re.search(r"VmRSS:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1)) / 1024
 
-def churn():  # 300 MB in 100 KB tensors (below glibc's mmap threshold: heap pages), then freed
+def churn():  # 300 MB in 100 KB tensors (below glibc's mmap threshold: heap pages), most then freed
     ts = [torch.ones(25_000) for _ in range(3000)]
-    top = torch.ones(1000)  # allocated after them: the freed pages are not the heap's top
+    # every 30th is kept: the freed ones lie in holes between kept chunks, never at the heap's top,
+    # so free() cannot hand them back on its own whatever state the imports left the heap in
+    kept = ts[::30]
     del ts
-    return top
+    return kept
 
 keep = churn()
 base = rss_mb()
