@@ -214,6 +214,7 @@ def test_choose_weight_layout_times_each_candidate_inside_its_layout(tiny, monke
     assert measure.layout_candidates(tiny) == ["out-in", "onednn"]
     meta = torch.nn.Sequential(torch.nn.Linear(4, 4, device="meta"))
     assert measure.layout_candidates(meta) == ["out-in"]
+    assert measure.layout_candidates(tiny, compiled=True) == ["out-in"]  # frozen and packed as loaded
     assert measure.choose_weight_layout(meta, [1, 2, 3], [1], 8)["layout"] == "out-in"
     for onednn_cost, expected in ((0.5, "onednn"), (2.0, "out-in")):
         seen = []

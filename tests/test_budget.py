@@ -359,6 +359,7 @@ def test_layout_probe_is_priced_for_auto_only():
     prefill = (FAST.prompt_tokens + 64) * FAST.capture_per_token
     assert B.layout_probe_seconds(FAST, auto) == pytest.approx(4 * (prefill + steps * FAST.decode_per_token))
     assert B.layout_probe_seconds(FAST, BenchSettings(weight_layout="out-in")) == 0.0
+    assert B.layout_probe_seconds(FAST, BenchSettings(compile=True)) == 0.0  # compiled: nothing to probe
 
 
 def test_small_preset_chooses_k_and_plans_its_pilot(tmp_path):

@@ -363,12 +363,92 @@ def test_compiled_steps_follow_the_weight_layout():
         eager, compiled = run(), run(compile=True)
         assert compiled.token_ids == eager.token_ids and compiled.stats["engine"] == "lean+compiled"
         inside = _COMPILED[verifier]
-        assert inside is not loaded and inside.held == projections_held(verifier)
+        assert inside is not loaded and inside.held[0] == projections_held(verifier)
         assert inside.decoder.layers[0].q.__func__ is OneDNNLinear.forward
         run(compile=True)
         assert _COMPILED[verifier] is inside  # same layout: the graphs are reused
     run(compile=True)
     assert _COMPILED[verifier] is not inside and _COMPILED[verifier].held == loaded.held
+
+
+@pytest.mark.slow
+def test_compiled_cpu_steps_are_rebuilt_when_the_weights_change():
+    """On CPU a compiled step's graphs hold the weights as constants (CPU_COMPILE_TIERS' freezing;
+    a GEMM kernel may have packed its own copy): once the weights are written in place, the step is
+    rebuilt and its tokens equal eager ones again. The control: nothing written, the step is kept."""
+    from draftsmith.decoding.runner import _COMPILED
+
+    verifier = tiny_model("llama", layers=2)
+    prompt = _ids(10, 3).tolist()
+    run = lambda **kw: generate(verifier, prompt, max_new_tokens=16, eos_token_id=[], **kw)  # noqa: E731
+    with torch.inference_mode():
+        before = run(compile=True)
+        old = _COMPILED[verifier]
+        assert run(compile=True).token_ids == before.token_ids and _COMPILED[verifier] is old
+        with torch.no_grad():
+            verifier.lm_head.weight.mul_(-1.0)  # argmax becomes argmin: other tokens
+        eager, compiled = run(), run(compile=True)
+        assert eager.token_ids != before.token_ids
+        assert compiled.token_ids == eager.token_ids and _COMPILED[verifier] is not old
+
+
+def _draft_logits(prop, fn) -> torch.Tensor:
+    """Draft logits of one step at slot 0 of a fresh static cache the size of ``prop``'s, through ``fn``
+    (a compiled step, or the eager one: ``prop._static_step``)."""
+    cache = prop.draft.new_cache(prop.cache.capacity)
+    cache.static = True
+    H = prop.draft.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    return fn(torch.tensor([[7]]), torch.randn(1, 1, H, generator=g), torch.tensor([[1]]), torch.arange(1), cache)[0]
+
+
+@pytest.mark.slow
+def test_compiled_draft_is_rebuilt_when_its_weights_change():
+    """A compiled EAGLE-3 draft step freezes the draft's weights too: a draft written in place since
+    (trained further) is compiled again, and its logits follow the new weights; the control: with
+    nothing written, the compiled step is kept."""
+    from test_eagle3 import _draft
+
+    from draftsmith.decoding import Eagle3Proposer
+
+    verifier = tiny_model("llama", layers=3)
+    d = _draft(verifier, vd=64)
+    d.config.aux_layer_ids = [0, 1, 3]
+    prop = Eagle3Proposer(d)
+    prompt = _ids(10, 3).tolist()
+    run = lambda **kw: generate(verifier, prompt, proposer=prop, max_new_tokens=24, num_draft_tokens=3,  # noqa: E731
+                                eos_token_id=[], **kw)
+    with torch.inference_mode():
+        run(compile=True)
+        first = prop._compiled
+        run(compile=True)
+        assert prop._compiled is first  # nothing written, nothing recompiled
+        with torch.no_grad():
+            for p in d.parameters():
+                p.add_(0.5 * torch.randn_like(p))
+        eager, compiled = run(), run(compile=True)
+        assert prop._compiled is not first and compiled.token_ids == eager.token_ids
+        fresh = _draft_logits(prop, prop._static_step)
+        assert torch.allclose(_draft_logits(prop, prop._compiled), fresh, atol=1e-4)
+
+
+def test_a_cpu_compile_tier_that_fails_gives_way_to_the_next(monkeypatch, caplog):
+    """CompiledFn: a tier whose compile fails (here: no C++ compiler) is logged and the next one
+    compiles; the control: with only the failing tier, the failure is raised."""
+    from draftsmith.decoding import runner
+
+    lin = torch.nn.Linear(8, 8, bias=False)
+    fn = lambda x: lin(x).relu()  # noqa: E731
+    broken = {"cpp.cxx": ("/nonexistent/g++",)}
+    x = torch.randn(2, 8)
+    monkeypatch.setattr(runner, "CPU_COMPILE_TIERS", (broken, {}))
+    c = runner.CompiledFn(fn, torch.device("cpu"))
+    with torch.no_grad():
+        assert torch.allclose(c(x), fn(x))
+    assert c.tier == 1 and "trying" in caplog.text
+    monkeypatch.setattr(runner, "CPU_COMPILE_TIERS", (broken,))
+    with torch.no_grad(), pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
+        runner.CompiledFn(lambda x: lin(x).sigmoid(), torch.device("cpu"))(x)
 
 
 # --- batched generation (regeneration's engine) -------------------------------------------------

@@ -439,12 +439,15 @@ LAYOUT_TIE = 0.03
 LAYOUT_PASSES, LAYOUT_REPEATS = 2, 5
 
 
-def layout_candidates(model: torch.nn.Module) -> list[str]:
+def layout_candidates(model: torch.nn.Module, compiled: bool = False) -> list[str]:
     """The layouts ``--weight-layout auto`` times for ``model``: as loaded and, on a CPU whose torch
     has oneDNN, oneDNN's matmul on the same weights. ``in-out`` is left out: it holds the weights
-    twice. On any other device only the loaded layout applies."""
+    twice. On any other device only the loaded layout applies, and so it does for compiled steps:
+    a compiled CPU step freezes the weights as loaded and packs them for its own GEMM kernel
+    (:data:`draftsmith.decoding.runner.CPU_COMPILE_TIERS`), which oneDNN's op would bypass."""
     p = next(model.parameters())
-    if p.device.type == "cpu" and p.is_floating_point() and torch.backends.mkldnn.is_available():
+    if (not compiled and p.device.type == "cpu" and p.is_floating_point()
+            and torch.backends.mkldnn.is_available()):
         return ["out-in", "onednn"]
     return ["out-in"]
 
@@ -463,14 +466,16 @@ def pick_layout(t: Mapping[str, Mapping[int, float]], ks: Sequence[int], tie: fl
 
 
 def choose_weight_layout(model: torch.nn.Module, prompt: Sequence[int], ks: Sequence[int], max_new_tokens: int,
-                         passes: int = LAYOUT_PASSES, repeats: int = LAYOUT_REPEATS) -> dict[str, Any]:
+                         passes: int = LAYOUT_PASSES, repeats: int = LAYOUT_REPEATS,
+                         compiled: bool = False) -> dict[str, Any]:
     """``--weight-layout auto``: time the verifier's steps in each of :func:`layout_candidates` and
     :func:`pick_layout` the one to measure with.
 
     Each candidate's one-token step and verify steps of ``k + 1`` tokens are timed as the bench's
     step costs are (:func:`measure_verify_costs`, at the same context), the candidates
     alternating over ``passes`` so drift hits both alike; per layout and n, the median of the
-    passes. Eager steps: the kernel's cost is what differs between layouts.
+    passes. Eager steps: the kernel's cost is what differs between layouts. ``compiled``: the
+    bench's steps are compiled, and only the loaded layout applies (nothing is timed).
 
     Returns:
         ``{"layout", "candidates", "t_seconds" ({layout: {n: seconds}}, empty when only one layout
@@ -478,7 +483,7 @@ def choose_weight_layout(model: torch.nn.Module, prompt: Sequence[int], ks: Sequ
     """
     from draftsmith.models.verifier import weight_layout
 
-    candidates = layout_candidates(model)
+    candidates = layout_candidates(model, compiled)
     out: dict[str, Any] = {"layout": candidates[0], "candidates": candidates, "t_seconds": {}, "tie": LAYOUT_TIE}
     if len(candidates) == 1:
         return out

@@ -75,7 +75,8 @@ class BenchSettings:
                                    + "; ".join(f"{k} ({v[1]})" for k, v in QUANTIZATIONS.items())
                                    + ". Faster, not lossless: the report says what it changes")
     compile: bool = opt(False, "decode our engine's rows (plain and every drafter) with compiled steps "
-                               "(torch.compile; CUDA graphs on CUDA), step costs included; compile time is kept "
+                               "(torch.compile; CUDA graphs on CUDA; on CPU frozen weights through inductor's C++ GEMM "
+                               "kernel, a second copy of the weights in memory), step costs included; compile time is kept "
                                "out of the timings and reported apart; HF rows run as users run them (eager)")
     draft_precision: list[str] = opt(
         default_factory=lambda: ["as-loaded"],
@@ -182,7 +183,8 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
         if cfg.progress:
             print("bench: choosing the weight layout (--weight-layout auto): timing the verifier's steps ...",
                   file=sys.stderr)
-        layout_choice = choose_weight_layout(model, prompts[0][1], cfg.num_draft_tokens, cfg.max_new_tokens)
+        layout_choice = choose_weight_layout(model, prompts[0][1], cfg.num_draft_tokens, cfg.max_new_tokens,
+                                             compiled=cfg.compile)
         layout = layout_choice["layout"]
     # the EAGLE-3 drafts' weights are held as the verifier's, so draft and verifier steps stay comparable
     drafts = [p.draft for p in proposers.values() if isinstance(getattr(p, "draft", None), torch.nn.Module)]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from draftsmith.decoding.runner import CAPACITY_BUCKET, VerifierRunner
+from draftsmith.decoding.runner import CAPACITY_BUCKET, CompiledFn, VerifierRunner, weights_version
 from draftsmith.decoding.sampling import SamplingParams, logits_to_probs, sample
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.kv import KVCache
@@ -226,6 +226,7 @@ class Eagle3Proposer(Proposer):
         self.aux_layer_ids = tuple(draft.config.aux_layer_ids)
         self.cache: KVCache | None = None
         self._compiled: Any = None  # the compiled draft step, kept across prompts
+        self._compiled_version: tuple[int, ...] = ()  # the draft's weights_version when it was compiled
         self._warm: set[tuple[int, bool]] = set()
         self.reset()
 
@@ -235,9 +236,11 @@ class Eagle3Proposer(Proposer):
 
     def prepare(self, max_length: int, compile: bool = False) -> None:
         self.compile_seconds = 0.0
+        if compile and self._compiled is not None and self._compiled_version != weights_version(self.draft):
+            self._compiled, self._warm = None, set()  # trained since: its graphs hold the old weights
         if compile and self._compiled is None:
-            mode = "reduce-overhead" if self.draft.fc.weight.device.type == "cuda" else None  # CUDA graphs
-            self._compiled = torch.compile(self._static_step, mode=mode)
+            self._compiled = CompiledFn(self._static_step, self.draft.fc.weight.device)
+            self._compiled_version = weights_version(self.draft)
             self.cache = None  # a compiled step gets a bucketed, address-stable cache
         elif not compile and self._compiled is not None:
             self._compiled, self.cache = None, None

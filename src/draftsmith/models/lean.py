@@ -92,7 +92,14 @@ def lean_unsupported(model: torch.nn.Module) -> str | None:
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
 
-def projection(module: torch.nn.Module) -> Projection:
+def _linear_of(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``module``'s GEMM, its parameters read at call time (what ``torch.compile`` sees as parameters)."""
+    if module.bias is None:
+        return torch.mm(x, module.weight.t())
+    return torch.addmm(module.bias, x, module.weight.t())
+
+
+def projection(module: torch.nn.Module, by_module: bool = False) -> Projection:
     """The projection ``module`` computes, callable without nn.Module's hook machinery.
 
     A plain ``nn.Linear`` (its weight may be a tensor subclass, e.g. torchao's quantized
@@ -107,6 +114,8 @@ def projection(module: torch.nn.Module) -> Projection:
         # A plain float weight: the GEMM that F.linear reaches on a contiguous input (``mm``, or
         # ``addmm`` with a bias), called directly on the 2-D hidden states, which skips the
         # linear/matmul/t dispatch layers around it: bitwise the same result, ~2% of a step.
+        if by_module:
+            return functools.partial(_linear_of, module)
         wt = w.t()
         if b is None:
             return functools.partial(torch.mm, mat2=wt)
@@ -213,7 +222,7 @@ class LeanDecoder:
         ValueError: if the model is not supported (check :func:`lean_unsupported` first).
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, by_module: bool = False) -> None:
         why = lean_unsupported(model)
         if why is not None:
             raise ValueError(f"lean forward unsupported: {why}")
@@ -222,7 +231,8 @@ class LeanDecoder:
         self.model = model
         self.embed = model.get_input_embeddings()
         self.norm = norm_fn(base.norm)
-        self.head = projection(model.get_output_embeddings())
+        proj = functools.partial(projection, by_module=by_module)
+        self.head = proj(model.get_output_embeddings())
         # The cache's dtype and device: the embedding's (a quantized projection has no float weight to ask).
         self.dtype, self.device = self.embed.weight.dtype, self.embed.weight.device
         self.rotary = base.rotary_emb
@@ -237,12 +247,12 @@ class LeanDecoder:
             nh = a.q_proj.out_features // a.head_dim  # a quantized linear keeps in/out_features too
             nkv = a.k_proj.out_features // a.head_dim
             self.layers.append(_Layer(
-                norm_fn(layer.input_layernorm), projection(a.q_proj), projection(a.k_proj), projection(a.v_proj),
-                projection(a.o_proj), norm_fn(getattr(a, "q_norm", None)), norm_fn(getattr(a, "k_norm", None)),
+                norm_fn(layer.input_layernorm), proj(a.q_proj), proj(a.k_proj), proj(a.v_proj),
+                proj(a.o_proj), norm_fn(getattr(a, "q_norm", None)), norm_fn(getattr(a, "k_norm", None)),
                 a.scaling, nh, nkv, a.head_dim, norm_fn(layer.post_attention_layernorm) if sandwich else None,
                 norm_fn(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm),
                 norm_fn(layer.post_feedforward_layernorm) if sandwich else None,
-                _call(mlp.act_fn), projection(mlp.gate_proj), projection(mlp.up_proj), projection(mlp.down_proj),
+                _call(mlp.act_fn), proj(mlp.gate_proj), proj(mlp.up_proj), proj(mlp.down_proj),
                 types[i] if per_type_rope else None))
         self.rope_keys = sorted({L.rope_key for L in self.layers}, key=str)
         self.apply_rope = sys.modules[type(base.layers[0].self_attn).__module__].apply_rotary_pos_emb
