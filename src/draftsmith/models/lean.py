@@ -106,6 +106,8 @@ def projection(module: torch.nn.Module, by_module: bool = False) -> Projection:
     tensors, which dispatch ``F.linear`` themselves) becomes ``F.linear`` bound to its
     parameters; any other module (a quantized linear that packs its weight) runs its
     own ``forward``, so the lean path computes what the module computes.
+    ``by_module``: the plain Linear's GEMM reads ``module.weight`` at every call instead of
+    binding a view of it, so ``torch.compile`` sees a parameter it can freeze (the compiled step).
     """
     if type(module).forward is not torch.nn.Linear.forward:
         return module.forward
@@ -217,6 +219,7 @@ class LeanDecoder:
 
     Args:
         model: the causal LM (see :func:`lean_unsupported`).
+        by_module: bind the projections by module (see :func:`projection`), as a compiled step does.
 
     Raises:
         ValueError: if the model is not supported (check :func:`lean_unsupported` first).
