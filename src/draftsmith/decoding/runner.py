@@ -188,6 +188,8 @@ class CompiledFn:
     def __call__(self, *args: Any) -> Any:
         while True:
             try:
+                if not self.options:
+                    return self.fn(*args)
                 with torch._inductor.config.patch(self.options):
                     return self.fn(*args)
             except torch._dynamo.exc.BackendCompilerFailed as e:
