@@ -257,7 +257,7 @@ def test_folded_rope_refuses_a_different_formula_negative_control():
     assert not fast_rope_matches(standard, {8, 16}, torch.float32)  # head dims differ per layer
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_static_mode_equals_eager(arch):
     """The compiled path's attention (all slots, masked by position) equals the prefix one, run eagerly."""
     model = tiny_model(arch)
@@ -275,6 +275,46 @@ def test_static_mode_equals_eager(arch):
             eager.advance(b - a)
             static.advance(b - a)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nkv", [1, 2, 4])
+@pytest.mark.parametrize("window", [None, 5])
+def test_static_attention_equals_the_prefix_read(nkv, window, dtype):
+    """The static path (all slots under the position mask, as a compiled step attends) gives the
+    eager prefix read's attention, for one and several queries, MHA to MQA, with and without a window."""
+    g = torch.Generator().manual_seed(nkv)
+    nh, hd, S = 4, 8, 24
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    eager = KVCache(1, nkv, hd, S, dtype, "cpu", [window])
+    static = KVCache(1, nkv, hd, S, dtype, "cpu", [window])
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    k0, v0 = randn(1, nkv, 10, hd), randn(1, nkv, 10, hd)
+    for c in (eager, static):
+        c.attend(0, randn(1, nh, 10, hd), k0, v0, torch.arange(10), 0.3)
+        c.advance(10)
+    static.static = True
+    for m in (1, 3):
+        T = eager.length
+        q = randn(1, nh, m, hd)
+        k, v = randn(1, nkv, m, hd), randn(1, nkv, m, hd)
+        want = eager.attend(0, q, k, v, torch.arange(T, T + m), 0.3)
+        got = static.attend(0, q, k, v, torch.arange(T, T + m), 0.3)
+        eager.advance(m)
+        static.advance(m)
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+        if nkv < nh and m > 1:
+            # negative control: the same queries in another order attend with the wrong positions' masks
+            rep = nh // nkv
+            wrong = q.view(1, nkv, rep, m, hd).transpose(2, 3).reshape(1, nh, m, hd)
+            static.rollback(T)
+            bad = static.attend(0, wrong, k, v, torch.arange(T, T + m), 0.3)
+            static.advance(m)
+            assert not torch.allclose(bad.view(1, nkv, m, rep, hd).transpose(2, 3).reshape(1, nh, m, hd), want,
+                                      atol=10 * tol)
 
 
 def test_auto_path_per_model():

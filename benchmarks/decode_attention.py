@@ -1,0 +1,213 @@
+"""The compiled CPU step's attention over the static cache (issue 20's context curve, `--compile`).
+
+A compiled step attends over all S slots of its bucketed cache under a position mask
+(``models/kv.py``, static mode, SDPA with ``enable_gqa``). Are other forms of that attention
+faster once compiled? Two measurements, side by side in one run:
+
+1. ``kernels``: one query (9 heads, 3 KV heads, head dim 64: SmolLM2-135M) over 30 layers'
+   K/V of S slots, each form compiled as the engine compiles its steps
+   (``decoding/runner.CompiledFn``), interleaved, medians:
+
+   - ``sdpa-gqa``: ``F.scaled_dot_product_attention(..., enable_gqa=True)`` with the mask
+     (the engine's static path);
+   - ``sdpa-fold``: SDPA with each KV head's query heads folded into one head's queries;
+   - ``reduce``: products and reductions (float32 inside) that inductor fuses into loops,
+     each KV head's slots read once for all its query heads;
+   - ``split``: ``reduce`` split along the slots in chunks, combined by their softmax maxima
+     (a "flash-decoding" pass: more parallel work for one query).
+
+2. ``steps`` (the verifier, ``--verifier``): the compiled one-token step at each of
+   ``--contexts`` cached tokens with each of ``--step-forms`` as the static path's attention
+   (``sdpa-gqa``: the engine's own; the others replace ``KVCache.attend`` on the runner's cache),
+   interleaved. Each (form, cache bucket) compiles its own graph: minutes of compile time
+   before the timing starts.
+
+    PYTHONPATH=src python benchmarks/decode_attention.py --threads 2 --out benchmarks/results/decode-attention.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+def sdpa_gqa(q, K, V, keep, scale):
+    return F.scaled_dot_product_attention(q, K, V, attn_mask=keep, scale=scale, enable_gqa=True)
+
+
+def sdpa_fold(q, K, V, keep, scale):
+    nh, m, hd = q.shape[1:]
+    nkv = K.shape[1]
+    rep = nh // nkv
+    out = F.scaled_dot_product_attention(q.reshape(1, nkv, rep * m, hd), K, V,
+                                         attn_mask=keep if m == 1 else keep.repeat(rep, 1), scale=scale)
+    return out.reshape(1, nh, m, hd)
+
+
+def reduce(q, K, V, keep, scale):
+    """Queries ``[1, nh, m, hd]`` over all slots of ``K, V [1, nkv, S, hd]`` where ``keep [m, S]``."""
+    nh, m, hd = q.shape[1], q.shape[2], q.shape[3]
+    nkv = K.shape[1]
+    rep = nh // nkv
+    qg = q.reshape(nkv, rep * m, 1, hd).float()  # query heads of one KV head as rows r * m + j
+    s = (qg * K[0].float()[:, None]).sum(-1) * scale  # [nkv, rep * m, S]
+    s = s.masked_fill(~(keep if m == 1 else keep.repeat(rep, 1)), float("-inf"))
+    out = (torch.softmax(s, -1)[..., None] * V[0].float()[:, None]).sum(-2)  # [nkv, rep * m, hd]
+    return out.to(q.dtype).reshape(1, nh, m, hd)
+
+
+def split(q, K, V, keep, scale, chunks: int = 8):
+    """One query only: reduce_attention over ``chunks`` runs of slots, combined exactly."""
+    nh, hd = q.shape[1], q.shape[3]
+    nkv, S = K.shape[1], K.shape[2]
+    rep, c = nh // nkv, S // chunks
+    qg = q.reshape(nkv, 1, rep, 1, hd).float()
+    s = (qg * K[0].float().view(nkv, chunks, 1, c, hd)).sum(-1) * scale  # [nkv, chunks, rep, c]
+    s = s.masked_fill(~keep.view(1, chunks, 1, c), float("-inf"))
+    mx = s.amax(-1, keepdim=True).clamp_min(-1e30)  # a chunk wholly masked stays finite
+    e = torch.exp(s - mx)
+    o = (e[..., None] * V[0].float().view(nkv, chunks, 1, c, hd)).sum(-2)  # [nkv, chunks, rep, hd]
+    w = torch.exp(mx.squeeze(-1) - mx.squeeze(-1).amax(1, keepdim=True))  # [nkv, chunks, rep]
+    out = (o * w[..., None]).sum(1) / (e.sum(-1) * w).sum(1)[..., None]
+    return out.to(q.dtype).reshape(1, nh, 1, hd)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--verifier", default="smollm2-135m")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sections", nargs="+", default=["kernels", "steps"], choices=["kernels", "steps"])
+    ap.add_argument("--slots", type=int, nargs="+", default=[512, 1536], help="S of the kernels section")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 1024], help="cached tokens of the steps section")
+    ap.add_argument("--step-forms", nargs="+", default=["sdpa-gqa", "reduce", "split"],
+                    choices=["sdpa-gqa", "sdpa-fold", "reduce", "split"], help="attention forms of the steps section")
+    ap.add_argument("--repeats", type=int, default=60, help="timed calls per point")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    import draftsmith.models.kv as kv
+    from draftsmith.decoding.runner import CompiledFn
+
+    forms = {"sdpa-gqa": sdpa_gqa, "sdpa-fold": sdpa_fold, "reduce": reduce, "split": split}
+    out: dict = {"threads": args.threads, "repeats": args.repeats, "loadavg_start": os.getloadavg()[0],
+                 "torch": torch.__version__}
+    cpu = torch.device("cpu")
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        if "kernels" in args.sections:
+            L, nkv, rep, hd = 30, 3, 3, 64
+            res: dict = {}
+            for S in args.slots:
+                Ks = [torch.randn(1, nkv, S, hd, generator=g) for _ in range(L)]
+                Vs = [torch.randn(1, nkv, S, hd, generator=g) for _ in range(L)]
+                q = torch.randn(1, nkv * rep, 1, hd, generator=g)
+                pos = torch.tensor([S - 10])
+
+                def layers(f):
+                    def run(q, Ks, Vs, pos):
+                        keep = torch.arange(Ks[0].shape[2])[None, :] <= pos[:, None]
+                        return [f(q, K, V, keep, 0.125) for K, V in zip(Ks, Vs)]
+                    return run
+
+                comp = {name: CompiledFn(layers(f), cpu) for name, f in forms.items()}
+                ref = layers(sdpa_gqa)(q, Ks, Vs, pos)
+                row: dict = {}
+                for name, f in comp.items():
+                    t0 = time.perf_counter()
+                    got = f(q, Ks, Vs, pos)
+                    row[name] = {"compile_s": time.perf_counter() - t0,
+                                 "max_abs_diff": max((a - b).abs().max().item() for a, b in zip(got, ref))}
+                times = {name: [] for name in comp}
+                for r in range(args.repeats + 3):
+                    names = list(comp)[r % len(comp):] + list(comp)[:r % len(comp)]
+                    for name in names:
+                        t0 = time.perf_counter()
+                        comp[name](q, Ks, Vs, pos)
+                        if r >= 3:
+                            times[name].append(time.perf_counter() - t0)
+                for name, ts in times.items():
+                    row[name]["median_ms"] = 1e3 * statistics.median(ts)
+                kv_mb = 2 * L * nkv * S * hd * 4 / 1e6
+                for name in row:
+                    row[name]["GB_per_s"] = kv_mb / row[name]["median_ms"]
+                res[str(S)] = row
+                for name, d in row.items():
+                    print(f"[kernels] S={S} {name:9s} {d['median_ms']:6.2f} ms  {d['GB_per_s']:5.1f} GB/s of K/V "
+                          f"(compile {d['compile_s']:.1f} s, max |diff| {d['max_abs_diff']:.1e})", flush=True)
+            out["kernels"] = res
+
+        if "steps" in args.sections:
+            from draftsmith.decoding.runner import verifier_runner
+            from draftsmith.models.verifier import load_verifier
+
+            model, _, fp = load_verifier(args.verifier, dtype="float32", device="cpu")
+            out["verifier"] = f"{args.verifier} ({fp})"
+            V = model.config.vocab_size
+            from draftsmith.decoding import runner as runner_mod
+
+            def attend_with(form):
+                def attend(cache, i, q, k, v, pos, scale):
+                    """The static path with ``form``'s attention (a one-token step: m = 1); eager reads unchanged."""
+                    if not cache.static or q.shape[2] != 1:
+                        return kv.KVCache.attend(cache, i, q, k, v, pos, scale)
+                    K, V_, W = cache.keys[i], cache.values[i], cache.windows[i]
+                    K.index_copy_(2, pos, k)
+                    V_.index_copy_(2, pos, v)
+                    slots = torch.arange(K.shape[2], device=pos.device)
+                    keep = slots[None, :] <= pos[:, None]
+                    if W is not None:
+                        keep = keep & (slots[None, :] > pos[:, None] - W)
+                    return form(q, K, V_, keep, scale)
+                return attend
+
+            variants = args.step_forms
+            runners, compile_s = {}, {}
+            for name in variants:
+                runner_mod._COMPILED.pop(model, None)  # a compiled step (its own graphs) per form
+                for C in args.contexts:
+                    r = verifier_runner(model, C + 8, compile=True, role=f"{name}-{C}")
+                    if name != "sdpa-gqa":
+                        r.cache.attend = attend_with(forms[name]).__get__(r.cache)
+                    compile_s[f"{name}@{C}"] = r.step.warmup(r.cache, r.aux, (1,))
+                    r.forward(torch.randint(2, V, (C,), generator=g), 1)
+                    runners[(name, C)] = r
+                    print(f"[steps] {name} at {C} cached ({r.cache.capacity} slots): compiled in "
+                          f"{compile_s[f'{name}@{C}']:.0f} s", flush=True)
+            tok = torch.randint(2, V, (1,), generator=g)
+            keys = list(runners)
+            times = {k: [] for k in keys}
+            for rep in range(args.repeats + 2):
+                shift = rep % len(keys)
+                for key in keys[shift:] + keys[:shift]:
+                    r = runners[key]
+                    t0 = time.perf_counter()
+                    r.forward(tok, 1)
+                    if rep >= 2:
+                        times[key].append(time.perf_counter() - t0)
+                    r.rollback(key[1])
+            med = {name: {C: 1e3 * statistics.median(times[(name, C)]) for C in args.contexts} for name in variants}
+            lo, hi = min(args.contexts), max(args.contexts)
+            out["steps"] = {"median_ms": med, "ratio_hi_over_lo": {n: med[n][hi] / med[n][lo] for n in med},
+                            "compile_s": compile_s,
+                            "capacity": {str(C): runners[(variants[0], C)].cache.capacity for C in args.contexts}}
+            for name in variants:
+                print(f"[steps] {name:9s} " + "  ".join(f"{C}: {ms:.2f} ms" for C, ms in med[name].items())
+                      + f"  {hi}/{lo} = {med[name][hi] / med[name][lo]:.3f}", flush=True)
+    out["loadavg_end"] = os.getloadavg()[0]
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=1))
+        print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
