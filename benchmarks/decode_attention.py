@@ -65,7 +65,7 @@ def reduce(q, K, V, keep, scale):
 
 
 def split(q, K, V, keep, scale, chunks: int = 8):
-    """One query only: reduce_attention over ``chunks`` runs of slots, combined exactly."""
+    """One query only: ``reduce`` over ``chunks`` runs of slots, combined exactly."""
     nh, hd = q.shape[1], q.shape[3]
     nkv, S = K.shape[1], K.shape[2]
     rep, c = nh // nkv, S // chunks
@@ -146,27 +146,20 @@ def main() -> None:
             out["kernels"] = res
 
         if "steps" in args.sections:
-            from draftsmith.decoding.runner import verifier_runner
+            from draftsmith.decoding import runner as runner_mod
             from draftsmith.models.verifier import load_verifier
 
             model, _, fp = load_verifier(args.verifier, dtype="float32", device="cpu")
             out["verifier"] = f"{args.verifier} ({fp})"
             V = model.config.vocab_size
-            from draftsmith.decoding import runner as runner_mod
 
             def attend_with(form):
                 def attend(cache, i, q, k, v, pos, scale):
                     """The static path with ``form``'s attention (a one-token step: m = 1); eager reads unchanged."""
                     if not cache.static or q.shape[2] != 1:
                         return kv.KVCache.attend(cache, i, q, k, v, pos, scale)
-                    K, V_, W = cache.keys[i], cache.values[i], cache.windows[i]
-                    K.index_copy_(2, pos, k)
-                    V_.index_copy_(2, pos, v)
-                    slots = torch.arange(K.shape[2], device=pos.device)
-                    keep = slots[None, :] <= pos[:, None]
-                    if W is not None:
-                        keep = keep & (slots[None, :] > pos[:, None] - W)
-                    return form(q, K, V_, keep, scale)
+                    keep = cache.write_static(i, k, v, pos)
+                    return form(q, cache.keys[i], cache.values[i], keep, scale)
                 return attend
 
             variants = args.step_forms
@@ -174,7 +167,7 @@ def main() -> None:
             for name in variants:
                 runner_mod._COMPILED.pop(model, None)  # a compiled step (its own graphs) per form
                 for C in args.contexts:
-                    r = verifier_runner(model, C + 8, compile=True, role=f"{name}-{C}")
+                    r = runner_mod.verifier_runner(model, C + 8, compile=True, role=f"{name}-{C}")
                     if name != "sdpa-gqa":
                         r.cache.attend = attend_with(forms[name]).__get__(r.cache)
                     compile_s[f"{name}@{C}"] = r.step.warmup(r.cache, r.aux, (1,))

@@ -138,15 +138,10 @@ class KVCache:
             ``[1, nh, m, hd]``: causal attention (windowed where the layer has W) over the
             cached and new positions; GQA through SDPA's ``enable_gqa``, no repeated K/V.
         """
-        K, V, W = self.keys[i], self.values[i], self.windows[i]
+        K, V = self.keys[i], self.values[i]
         if self.static:
-            K.index_copy_(2, pos, k)
-            V.index_copy_(2, pos, v)
-            slots = torch.arange(K.shape[2], device=pos.device)
-            mask = slots[None, :] <= pos[:, None]  # [m, S]; slots past the query are stale or empty
-            if W is not None:
-                mask = mask & (slots[None, :] > pos[:, None] - W)
-            return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scale, enable_gqa=True)
+            keep = self.write_static(i, k, v, pos)
+            return F.scaled_dot_product_attention(q, K, V, attn_mask=keep, scale=scale, enable_gqa=True)
         m = q.shape[2]
         start = self.length
         self.check_room(m)
@@ -155,6 +150,18 @@ class KVCache:
         if self.per_query and m > 1 and start > 0:
             return torch.cat([self._read(i, q[:, :, j:j + 1], start + j, scale) for j in range(m)], 2)
         return self._read(i, q, start, scale)
+
+    def write_static(self, i: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Static mode's write: layer ``i``'s new keys/values at slots ``pos`` (a tensor, no host read);
+        returns the mask ``[m, S]`` of the slots each query attends to (past the query: stale or empty)."""
+        K, V, W = self.keys[i], self.values[i], self.windows[i]
+        K.index_copy_(2, pos, k)
+        V.index_copy_(2, pos, v)
+        slots = torch.arange(K.shape[2], device=pos.device)
+        keep = slots[None, :] <= pos[:, None]
+        if W is not None:
+            keep = keep & (slots[None, :] > pos[:, None] - W)
+        return keep
 
     def _mask(self, start: int, end: int, lo: int, W: int | None, q: torch.Tensor) -> torch.Tensor:
         """The additive mask ``[m, end-lo]`` of queries ``[start, end)`` over keys ``[lo, end)``.
