@@ -8,8 +8,10 @@ faster once compiled? Two measurements, side by side in one run:
    K/V of S slots, each form compiled as the engine compiles its steps
    (``decoding/runner.CompiledFn``), interleaved, medians:
 
+   - ``kernel``: the engine's static path on the CPU, ``models/cpu_attention``'s C++ op (reads the
+     slots up to the query's position only; here the position is S - 10, so nearly all of them);
    - ``sdpa-gqa``: ``F.scaled_dot_product_attention(..., enable_gqa=True)`` with the mask
-     (the engine's static path);
+     (the static path on CUDA, and on the CPU before the kernel);
    - ``sdpa-fold``: SDPA with each KV head's query heads folded into one head's queries;
    - ``reduce``: products and reductions (float32 inside) that inductor fuses into loops,
      each KV head's slots read once for all its query heads;
@@ -18,7 +20,8 @@ faster once compiled? Two measurements, side by side in one run:
 
 2. ``steps`` (the verifier, ``--verifier``): the compiled one-token step at each of
    ``--contexts`` cached tokens with each of ``--step-forms`` as the static path's attention
-   (``sdpa-gqa``: the engine's own; the others replace ``KVCache.attend`` on the runner's cache),
+   (``kernel``: the engine's own; ``sdpa-gqa``: the cache's ``cpu_kernel = False``; the others
+   replace ``KVCache.attend`` on the runner's cache),
    interleaved. Each (form, cache bucket) compiles its own graph: minutes of compile time
    before the timing starts.
 
@@ -37,6 +40,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+
+def kernel(q, K, V, keep, scale):
+    """The engine's static path on the CPU: the C++ kernel over the slots up to the query's position
+    (``models/cpu_attention.py``); the position is the mask's last kept slot."""
+    from draftsmith.models import cpu_attention
+
+    pos = keep.sum(-1) - 1  # keep is [m, S], true up to each query's position
+    return cpu_attention.decode_attention(q, K, V, pos, 0, scale)
 
 
 def sdpa_gqa(q, K, V, keep, scale):
@@ -87,8 +99,11 @@ def main() -> None:
     ap.add_argument("--sections", nargs="+", default=["kernels", "steps"], choices=["kernels", "steps"])
     ap.add_argument("--slots", type=int, nargs="+", default=[512, 1536], help="S of the kernels section")
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 1024], help="cached tokens of the steps section")
-    ap.add_argument("--step-forms", nargs="+", default=["sdpa-gqa", "reduce", "split"],
-                    choices=["sdpa-gqa", "sdpa-fold", "reduce", "split"], help="attention forms of the steps section")
+    ap.add_argument("--forms", nargs="+", default=["kernel", "sdpa-gqa", "sdpa-fold", "reduce", "split"],
+                    choices=["kernel", "sdpa-gqa", "sdpa-fold", "reduce", "split"], help="forms of the kernels section")
+    ap.add_argument("--step-forms", nargs="+", default=["kernel", "sdpa-gqa"],
+                    choices=["kernel", "sdpa-gqa", "sdpa-fold", "reduce", "split"],
+                    help="attention forms of the steps section")
     ap.add_argument("--repeats", type=int, default=60, help="timed calls per point")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -97,9 +112,19 @@ def main() -> None:
     import draftsmith.models.kv as kv
     from draftsmith.decoding.runner import CompiledFn
 
-    forms = {"sdpa-gqa": sdpa_gqa, "sdpa-fold": sdpa_fold, "reduce": reduce, "split": split}
+    all_forms = {"kernel": kernel, "sdpa-gqa": sdpa_gqa, "sdpa-fold": sdpa_fold, "reduce": reduce, "split": split}
+    forms = {name: all_forms[name] for name in args.forms}
+    if "kernel" in args.forms + args.step_forms:
+        from draftsmith.models import cpu_attention
+
+        t0 = time.perf_counter()
+        if not cpu_attention.available():
+            sys.exit("the CPU decode-attention kernel did not build (see the warning above)")
+        out_build_s = time.perf_counter() - t0
     out: dict = {"threads": args.threads, "repeats": args.repeats, "loadavg_start": os.getloadavg()[0],
                  "torch": torch.__version__}
+    if "kernel" in args.forms + args.step_forms:
+        out["kernel_build_or_load_s"] = out_build_s
     cpu = torch.device("cpu")
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -168,8 +193,10 @@ def main() -> None:
                 runner_mod._COMPILED.pop(model, None)  # a compiled step (its own graphs) per form
                 for C in args.contexts:
                     r = runner_mod.verifier_runner(model, C + 8, compile=True, role=f"{name}-{C}")
-                    if name != "sdpa-gqa":
-                        r.cache.attend = attend_with(forms[name]).__get__(r.cache)
+                    r.cache.cpu_kernel = name == "kernel"  # the engine's default where the kernel builds
+                    assert r.cache.cpu_kernel == (name == "kernel"), "the kernel did not build"
+                    if name not in ("kernel", "sdpa-gqa"):
+                        r.cache.attend = attend_with(all_forms[name]).__get__(r.cache)
                     compile_s[f"{name}@{C}"] = r.step.warmup(r.cache, r.aux, (1,))
                     r.forward(torch.randint(2, V, (C,), generator=g), 1)
                     runners[(name, C)] = r

@@ -280,14 +280,18 @@ def test_static_mode_equals_eager(arch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("nkv", [1, 2, 4])
 @pytest.mark.parametrize("window", [None, 5])
-def test_static_attention_equals_the_prefix_read(nkv, window, dtype):
-    """The static path (all slots under the position mask, as a compiled step attends) gives the
-    eager prefix read's attention, for one and several queries, MHA to MQA, with and without a window."""
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "sdpa"])
+def test_static_attention_equals_the_prefix_read(nkv, window, dtype, kernel):
+    """The static path (as a compiled step attends: the CPU kernel over the slots up to each query, or
+    SDPA over all slots under the position mask, as on CUDA) gives the eager prefix read's attention,
+    for one and several queries, MHA to MQA, with and without a window."""
     g = torch.Generator().manual_seed(nkv)
     nh, hd, S = 4, 8, 24
     tol = 1e-6 if dtype == torch.float32 else 2e-2
     eager = KVCache(1, nkv, hd, S, dtype, "cpu", [window])
     static = KVCache(1, nkv, hd, S, dtype, "cpu", [window])
+    static.cpu_kernel = kernel
+    assert static.cpu_kernel == kernel  # the kernel builds here
 
     def randn(*shape):
         return torch.randn(*shape, generator=g).to(dtype)
@@ -384,6 +388,10 @@ def test_compiled_steps_equal_eager_and_are_reused():
             assert compiled.token_ids == eager.token_ids
             assert compiled.stats["engine"] == "lean+compiled"
             assert (compiled.stats["compile_seconds"] > 0) == (i == 0)  # the second prompt reuses the graphs
+    from draftsmith.decoding import runner as runner_mod
+
+    # the compiled verifier steps attended through the CPU kernel (models/cpu_attention), not SDPA
+    assert all(c.cpu_kernel for c in runner_mod._COMPILED[verifier].caches.values())
 
 
 @pytest.mark.slow

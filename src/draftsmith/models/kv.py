@@ -16,8 +16,11 @@ Two ways to read the cache, same buffers:
 - eager (default): attend over the prefix view ``[lo, T+m)`` (``lo`` > 0 only for a
   sliding window), so a step costs what its context holds; a one-token step needs no mask.
 - static (``static=True``, for ``torch.compile`` and CUDA graphs): write at the
-  position tensor with ``index_copy_`` and attend over all S slots under a mask built
-  from that tensor, so every shape is fixed and nothing in the step reads T on the host.
+  position tensor with ``index_copy_``, so every shape is fixed and nothing in the step
+  reads T on the host. On the CPU the attention is :mod:`draftsmith.models.cpu_attention`'s
+  kernel, which reads the position tensor itself and only the slots each query sees;
+  elsewhere (CUDA, or where the kernel cannot be built) SDPA attends over all S slots
+  under a mask built from that tensor.
 
 ``per_query=True`` (eager only) makes a multi-token forward after the prompt attend
 one query at a time, each exactly as a one-token step at its position would: the
@@ -37,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models import cpu_attention
 
 
 def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -76,8 +80,9 @@ class KVCache:
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.capacity = capacity
         self.length = 0
-        self.static = False
+        self._static = False
         self.per_query = per_query
+        self._cpu_kernel: bool | None = None
         self._masks: dict[tuple, torch.Tensor] = {}
 
     @property
@@ -140,6 +145,10 @@ class KVCache:
         """
         K, V = self.keys[i], self.values[i]
         if self.static:
+            if self.cpu_kernel:
+                self._write_slots(i, k, v, pos)
+                W = self.windows[i]
+                return cpu_attention.decode_attention(q, K, V, pos, W or 0, scale)
             keep = self.write_static(i, k, v, pos)
             return F.scaled_dot_product_attention(q, K, V, attn_mask=keep, scale=scale, enable_gqa=True)
         m = q.shape[2]
@@ -154,14 +163,42 @@ class KVCache:
     def write_static(self, i: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Static mode's write: layer ``i``'s new keys/values at slots ``pos`` (a tensor, no host read);
         returns the mask ``[m, S]`` of the slots each query attends to (past the query: stale or empty)."""
-        K, V, W = self.keys[i], self.values[i], self.windows[i]
-        K.index_copy_(2, pos, k)
-        V.index_copy_(2, pos, v)
+        K, W = self.keys[i], self.windows[i]
+        self._write_slots(i, k, v, pos)
         slots = torch.arange(K.shape[2], device=pos.device)
         keep = slots[None, :] <= pos[:, None]
         if W is not None:
             keep = keep & (slots[None, :] > pos[:, None] - W)
         return keep
+
+    def _write_slots(self, i: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        self.keys[i].index_copy_(2, pos, k)
+        self.values[i].index_copy_(2, pos, v)
+
+    @property
+    def static(self) -> bool:
+        """Static mode (see the module docstring); the compiled steps switch it on around each call."""
+        return self._static
+
+    @static.setter
+    def static(self, on: bool) -> None:
+        if on and self._cpu_kernel is None:  # resolved here, outside the compiled region that reads it
+            self.cpu_kernel = True
+        self._static = bool(on)
+
+    @property
+    def cpu_kernel(self) -> bool:
+        """Whether static mode attends through :mod:`~draftsmith.models.cpu_attention`'s kernel (reading
+        only the slots each query sees) instead of SDPA over all slots under a mask. Decided when static
+        mode is first switched on: True on the CPU with float32/bfloat16 buffers once the kernel is built;
+        set it False to keep SDPA (or ``DRAFTSMITH_CPU_ATTENTION=0`` for every cache)."""
+        return bool(self._cpu_kernel)
+
+    @cpu_kernel.setter
+    def cpu_kernel(self, use: bool) -> None:
+        K = self.keys[0]
+        self._cpu_kernel = (bool(use) and K.device.type == "cpu" and K.dtype in (torch.float32, torch.bfloat16)
+                            and cpu_attention.available())
 
     def _mask(self, start: int, end: int, lo: int, W: int | None, q: torch.Tensor) -> torch.Tensor:
         """The additive mask ``[m, end-lo]`` of queries ``[start, end)`` over keys ``[lo, end)``.

@@ -1,0 +1,356 @@
+// Decode-time attention over a static KV cache on the CPU (draftsmith.models.cpu_attention).
+//
+// Queries q [1, nh, m, hd] at positions pos[j] attend to the slots [lo_j, pos_j] of K, V
+// [1, nkv, S, hd] (lo_j = pos_j - W + 1 for a sliding window W, else 0); slots past the
+// largest position are never read, so a step costs what the cache holds, not its capacity.
+// The query heads of one KV head read its slots together (no repeated K/V). Work is split
+// into (KV head, chunk of slots) tasks, each with its own softmax maximum, sum and weighted
+// values, combined at the end ("flash-decoding"): a one-query step has enough parallel work.
+// Everything accumulates in float32; K/V may be float32 or bfloat16.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kSerialWork = 4096;  // (slots x query rows) below which one thread does it all
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// exp for x <= 88 (softmax arguments are <= 0): Cody-Waite reduction by ln 2 and a degree-6
+// polynomial on [-ln2/2, ln2/2] (Cephes' expf coefficients), ~1 ulp; plain arithmetic, so the
+// loop around it vectorizes (std::exp does not without -ffast-math).
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float fx = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - fx * 0.693359375f + fx * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  union { int32_t i; float f; } two_n;
+  two_n.i = (static_cast<int32_t>(fx) + 127) << 23;
+  return y * two_n.f;
+}
+
+// A vector of 16 floats in GCC/Clang vector extensions: one zmm with AVX-512, two ymm with AVX2.
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+#ifdef __clang__
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, v16i{__VA_ARGS__})
+#endif
+
+inline v16f load16(const float* p) {
+  v16f x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+inline v16f load16(const c10::BFloat16* p) {
+  v16h h;
+  std::memcpy(&h, p, sizeof h);
+  const v16u w = __builtin_convertvector(h, v16u) << 16;
+  return reinterpret_cast<const v16f&>(w);
+}
+
+// r[i] = sum of the lanes of a[i], i < 16: a transpose-and-add tree (15 combines of two shuffles
+// and an add) instead of 16 horizontal sums.
+inline v16f hsum16(v16f* a) {
+  v16f b[8], c[4], d[2];
+  for (int j = 0; j < 8; ++j)
+    b[j] = SHUF(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUF(a[2 * j], a[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int j = 0; j < 4; ++j)
+    c[j] = SHUF(b[2 * j], b[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           SHUF(b[2 * j], b[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int j = 0; j < 2; ++j)
+    d[j] = SHUF(c[2 * j], c[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           SHUF(c[2 * j], c[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return SHUF(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         SHUF(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// exp_approx on 16 lanes (the same reduction and polynomial; round-to-nearest by the 1.5 * 2^23
+// trick instead of floor(x + 1/2), which vector extensions lack).
+inline v16f exp16(v16f x) {
+  x = x < -87.0f ? v16f{} - 87.0f : x;
+  x = x > 88.0f ? v16f{} + 88.0f : x;
+  const v16f fx = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const v16f r = x - fx * 0.693359375f + fx * 2.12194440e-4f;
+  v16f p = v16f{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const v16f y = p * r * r + r + 1.0f;
+  const v16i two_n = (__builtin_convertvector(fx, v16i) + 127) << 23;
+  return y * reinterpret_cast<const v16f&>(two_n);
+}
+
+inline float hsum(v16f x) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += x[i];
+  return s;
+}
+
+// attend_chunk for a head dim that is a multiple of 16, every query row of the group over the
+// chunk's slots together, so each block of K (and of V) is used by all rows while it is in L1:
+// the reads from memory overlap the arithmetic instead of preceding it. Scores of 16 slots are
+// reduced together (hsum16); a row's slots outside its range score -inf and weigh 0 (their
+// K/V are valid positions of this sequence, written before the call: never garbage). The
+// weighted values stay in registers, G rows at a time.
+template <typename T, int HD>
+void attend_chunk_vec(const float* qs, int R, int m, const T* K, const T* V, const int64_t* lo, const int64_t* hi,
+                      int64_t c0, int64_t c1, float* smax, float* ssum, float* acc, float* scratch) {
+  constexpr int C = HD / 16;
+  constexpr int G = std::max(1, 16 / C);  // rows whose sums fit 16 vector registers
+  const int64_t n = c1 - c0, ld = (n + 15) / 16 * 16;  // scratch holds R rows of ld scores
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < n; t += 16) {
+    const int64_t w = std::min<int64_t>(16, n - t);
+    for (int r = 0; r < R; ++r) {
+      const float* qr = qs + static_cast<int64_t>(r) * HD;
+      v16f q[C];
+      for (int c = 0; c < C; ++c) q[c] = load16(qr + 16 * c);
+      v16f part[16];
+      for (int i = 0; i < 16; ++i) {
+        const T* kt = K + (c0 + t + std::min<int64_t>(i, w - 1)) * HD;  // a short last block repeats its last slot
+        v16f x = q[0] * load16(kt);
+        for (int c = 1; c < C; ++c) x += q[c] * load16(kt + 16 * c);
+        part[i] = x;
+      }
+      const v16f sc = hsum16(part);
+      std::memcpy(scratch + r * ld + t, &sc, sizeof sc);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int j = r % m;
+    float* row = scratch + r * ld;
+    const int64_t a = std::max(lo[j], c0) - c0, b = std::min(hi[j] + 1, c1) - c0;  // the row's slots, [a, b)
+    if (a >= b) {
+      for (int64_t u = 0; u < ld; ++u) row[u] = 0.f;
+      smax[r] = ninf;
+      ssum[r] = 0.f;
+      continue;
+    }
+    for (int64_t u = 0; u < a; ++u) row[u] = ninf;
+    for (int64_t u = b; u < ld; ++u) row[u] = ninf;
+    v16f vmax = v16f{} + ninf;
+    for (int64_t u = 0; u < ld; u += 16) {
+      const v16f x = load16(row + u);
+      vmax = vmax > x ? vmax : x;
+    }
+    float mx = ninf;
+    for (int i = 0; i < 16; ++i) mx = std::max(mx, vmax[i]);
+    v16f vsum{};
+    for (int64_t u = 0; u < ld; u += 16) {
+      const v16f x = load16(row + u) - mx;
+      const v16f e = x < -87.0f ? v16f{} : exp16(x);  // exp(-inf) = 0 exactly
+      std::memcpy(row + u, &e, sizeof e);
+      vsum += e;
+    }
+    smax[r] = mx;
+    ssum[r] = hsum(vsum);
+  }
+  for (int r0 = 0; r0 < R; r0 += G) {
+    const int g = std::min(G, R - r0);
+    v16f o[G][C] = {};
+    for (int64_t u = 0; u < n; ++u) {
+      const T* vt = V + (c0 + u) * HD;
+      v16f v[C];
+      for (int c = 0; c < C; ++c) v[c] = load16(vt + 16 * c);
+      for (int k = 0; k < g; ++k) {
+        const float p = scratch[(r0 + k) * ld + u];
+        for (int c = 0; c < C; ++c) o[k][c] += p * v[c];
+      }
+    }
+    for (int k = 0; k < g; ++k) std::memcpy(acc + static_cast<int64_t>(r0 + k) * HD, o[k], sizeof o[k]);
+  }
+}
+
+template <typename T, int HD>
+void attend_chunk(const float* qs, int R, int m, const T* K, const T* V, const int64_t* lo, const int64_t* hi,
+                  int64_t c0, int64_t c1, int hd_rt, float* smax, float* ssum, float* acc, float* scratch) {
+  const int hd = HD > 0 ? HD : hd_rt;
+  for (int r = 0; r < R; ++r) {
+    const int j = r % m;  // row r = (query head within the group) * m + query j
+    const int64_t a = std::max(lo[j], c0), b = std::min(hi[j] + 1, c1);
+    float* out = acc + static_cast<int64_t>(r) * hd;
+    for (int d = 0; d < hd; ++d) out[d] = 0.f;
+    if (a >= b) {
+      smax[r] = -std::numeric_limits<float>::infinity();
+      ssum[r] = 0.f;
+      continue;
+    }
+    const float* qr = qs + static_cast<int64_t>(r) * hd;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t t = a; t < b; ++t) {
+      const T* kt = K + t * hd;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int d = 0; d < hd; ++d) s += qr[d] * to_float(kt[d]);
+      scratch[t - a] = s;
+      mx = std::max(mx, s);
+    }
+    const int64_t n = b - a;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      const float p = exp_approx(scratch[t] - mx);
+      scratch[t] = p;
+      sum += p;
+    }
+    if constexpr (HD > 0) {  // the weighted sum in registers (out may alias nothing, but the compiler cannot know)
+      float o[HD] = {};
+      for (int64_t t = a; t < b; ++t) {
+        const T* vt = V + t * HD;
+        const float p = scratch[t - a];
+#pragma omp simd
+        for (int d = 0; d < HD; ++d) o[d] += p * to_float(vt[d]);
+      }
+      for (int d = 0; d < HD; ++d) out[d] = o[d];
+    } else {
+      for (int64_t t = a; t < b; ++t) {
+        const T* vt = V + t * hd;
+        const float p = scratch[t - a];
+#pragma omp simd
+        for (int d = 0; d < hd; ++d) out[d] += p * to_float(vt[d]);
+      }
+    }
+    smax[r] = mx;
+    ssum[r] = sum;
+  }
+}
+
+template <typename T, int HD>
+void run(const at::Tensor& q, const at::Tensor& K, const at::Tensor& V, const int64_t* lo, const int64_t* hi,
+         double scale, int64_t chunk, at::Tensor& out) {
+  const int nh = q.size(1), m = q.size(2), hd = q.size(3);
+  const int nkv = K.size(1);
+  const int64_t S = K.size(2);
+  const int rep = nh / nkv, R = rep * m;
+  const int64_t LO = *std::min_element(lo, lo + m), HI = *std::max_element(hi, hi + m) + 1;
+  const int64_t nchunks = std::max<int64_t>(1, (HI - LO + chunk - 1) / chunk);
+  // queries as float, pre-scaled: [nkv][R][hd], row r = query head (h*rep + r/m), query j = r%m
+  std::vector<float> qs(static_cast<size_t>(nkv) * R * hd);
+  const at::Tensor qc = q.to(at::kFloat).contiguous();
+  const float* qp = qc.data_ptr<float>();
+  for (int h = 0; h < nkv; ++h)
+    for (int r = 0; r < R; ++r) {
+      const int head = h * rep + r / m, j = r % m;
+      const float* src = qp + (static_cast<int64_t>(head) * m + j) * hd;
+      float* dst = qs.data() + (static_cast<int64_t>(h) * R + r) * hd;
+      for (int d = 0; d < hd; ++d) dst[d] = src[d] * static_cast<float>(scale);
+    }
+  const int64_t tasks = nkv * nchunks;
+  std::vector<float> smax(tasks * R), ssum(tasks * R), acc(tasks * R * hd);
+  const T* Kp = K.data_ptr<T>();
+  const T* Vp = V.data_ptr<T>();
+  // a short context is cheaper on one thread than the wake-up of the others (~5-10 us)
+  const int64_t grain = (HI - LO) * nkv * R < kSerialWork ? tasks : 1;
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(static_cast<size_t>(R) * ((chunk + 15) / 16 * 16));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / nchunks, c = task % nchunks;
+      const int64_t c0 = LO + c * chunk, c1 = std::min(HI, c0 + chunk);
+      if constexpr (HD > 0 && HD % 16 == 0)
+        attend_chunk_vec<T, HD>(qs.data() + h * R * hd, R, m, Kp + h * S * hd, Vp + h * S * hd, lo, hi, c0, c1,
+                                smax.data() + task * R, ssum.data() + task * R, acc.data() + task * R * hd,
+                                scratch.data());
+      else
+        attend_chunk<T, HD>(qs.data() + h * R * hd, R, m, Kp + h * S * hd, Vp + h * S * hd, lo, hi, c0, c1, hd,
+                            smax.data() + task * R, ssum.data() + task * R, acc.data() + task * R * hd,
+                            scratch.data());
+    }
+  });
+  at::Tensor res = at::empty({1, nh, m, hd}, q.options().dtype(at::kFloat));
+  float* rp = res.data_ptr<float>();
+  for (int h = 0; h < nkv; ++h)
+    for (int r = 0; r < R; ++r) {
+      float M = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < nchunks; ++c) M = std::max(M, smax[(h * nchunks + c) * R + r]);
+      const int head = h * rep + r / m, j = r % m;
+      float* dst = rp + (static_cast<int64_t>(head) * m + j) * hd;
+      for (int d = 0; d < hd; ++d) dst[d] = 0.f;
+      float total = 0.f;
+      for (int64_t c = 0; c < nchunks; ++c) {
+        const int64_t t = (h * nchunks + c) * R + r;
+        if (ssum[t] == 0.f) continue;
+        const float w = std::exp(smax[t] - M);
+        total += w * ssum[t];
+        const float* a = acc.data() + t * hd;
+        for (int d = 0; d < hd; ++d) dst[d] += w * a[d];
+      }
+      const float inv = 1.f / total;
+      for (int d = 0; d < hd; ++d) dst[d] *= inv;
+    }
+  out.copy_(res);
+}
+
+template <typename T>
+void dispatch_hd(const at::Tensor& q, const at::Tensor& K, const at::Tensor& V, const int64_t* lo,
+                 const int64_t* hi, double scale, int64_t chunk, at::Tensor& out) {
+  switch (q.size(3)) {
+    case 64: return run<T, 64>(q, K, V, lo, hi, scale, chunk, out);
+    case 128: return run<T, 128>(q, K, V, lo, hi, scale, chunk, out);
+    case 256: return run<T, 256>(q, K, V, lo, hi, scale, chunk, out);
+    default: return run<T, 0>(q, K, V, lo, hi, scale, chunk, out);
+  }
+}
+
+}  // namespace
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& K, const at::Tensor& V, const at::Tensor& pos,
+                            int64_t window, double scale, int64_t chunk) {
+  TORCH_CHECK(q.dim() == 4 && K.dim() == 4 && V.dim() == 4 && q.size(0) == 1 && K.size(0) == 1,
+              "decode_attention: q [1, nh, m, hd], K/V [1, nkv, S, hd]");
+  TORCH_CHECK(K.is_contiguous() && V.is_contiguous() && K.sizes() == V.sizes(), "decode_attention: contiguous K, V");
+  TORCH_CHECK(q.size(3) == K.size(3) && q.size(1) % K.size(1) == 0, "decode_attention: head dims / GQA groups");
+  TORCH_CHECK(pos.dim() == 1 && pos.size(0) == q.size(2) && pos.scalar_type() == at::kLong, "decode_attention: pos [m]");
+  TORCH_CHECK(chunk >= 1, "decode_attention: chunk >= 1");
+  const int64_t m = q.size(2), S = K.size(2);
+  const at::Tensor pc = pos.contiguous();
+  const int64_t* pp = pc.data_ptr<int64_t>();
+  std::vector<int64_t> lo(m), hi(m);
+  for (int64_t j = 0; j < m; ++j) {
+    TORCH_CHECK(pp[j] >= 0 && pp[j] < S, "decode_attention: position ", pp[j], " outside the cache's ", S, " slots");
+    hi[j] = pp[j];
+    lo[j] = window > 0 ? std::max<int64_t>(0, pp[j] - window + 1) : 0;
+  }
+  at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  if (K.scalar_type() == at::kFloat) {
+    dispatch_hd<float>(q, K, V, lo.data(), hi.data(), scale, chunk, out);
+  } else if (K.scalar_type() == at::kBFloat16) {
+    dispatch_hd<c10::BFloat16>(q, K, V, lo.data(), hi.data(), scale, chunk, out);
+  } else {
+    TORCH_CHECK(false, "decode_attention: K/V float32 or bfloat16, got ", K.scalar_type());
+  }
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(draftsmith, lib) {  // a fragment: Python registers other draftsmith:: ops
+  lib.def("decode_attention(Tensor q, Tensor K, Tensor V, Tensor pos, int window, float scale, int chunk) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(draftsmith, CPU, lib) { lib.impl("decode_attention", &decode_attention); }
