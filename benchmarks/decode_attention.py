@@ -51,6 +51,22 @@ def kernel(q, K, V, keep, scale):
     return cpu_attention.decode_attention(q, K, V, pos, 0, scale)
 
 
+def huge_page_zeros(like: torch.Tensor) -> torch.Tensor:
+    """Zeros shaped as ``like`` in an anonymous mapping advised for transparent huge pages, starting
+    at a 2 MB boundary (Linux; the pages fault in as 2 MB pages on first touch)."""
+    import ctypes
+    import mmap
+
+    huge = 2 << 20
+    n = like.numel() * like.element_size()
+    m = mmap.mmap(-1, n + huge)
+    m.madvise(mmap.MADV_HUGEPAGE)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    off = -addr % huge
+    flat = torch.frombuffer(m, dtype=torch.uint8)[off:off + n]
+    return flat.view(like.dtype).view(like.shape)
+
+
 def sdpa_gqa(q, K, V, keep, scale):
     return F.scaled_dot_product_attention(q, K, V, attn_mask=keep, scale=scale, enable_gqa=True)
 
@@ -102,8 +118,9 @@ def main() -> None:
     ap.add_argument("--forms", nargs="+", default=["kernel", "sdpa-gqa", "sdpa-fold", "reduce", "split"],
                     choices=["kernel", "sdpa-gqa", "sdpa-fold", "reduce", "split"], help="forms of the kernels section")
     ap.add_argument("--step-forms", nargs="+", default=["kernel", "sdpa-gqa"],
-                    choices=["kernel", "sdpa-gqa", "sdpa-fold", "reduce", "split"],
-                    help="attention forms of the steps section")
+                    choices=["kernel", "kernel-thp", "sdpa-gqa", "sdpa-fold", "reduce", "split"],
+                    help="attention forms of the steps section (kernel-thp: the kernel over cache buffers "
+                         "in transparent huge pages, each padded to 2 MB)")
     ap.add_argument("--repeats", type=int, default=60, help="timed calls per point")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -193,9 +210,13 @@ def main() -> None:
                 runner_mod._COMPILED.pop(model, None)  # a compiled step (its own graphs) per form
                 for C in args.contexts:
                     r = runner_mod.verifier_runner(model, C + 8, compile=True, role=f"{name}-{C}")
-                    r.cache.cpu_kernel = name == "kernel"  # the engine's default where the kernel builds
-                    assert r.cache.cpu_kernel == (name == "kernel"), "the kernel did not build"
-                    if name not in ("kernel", "sdpa-gqa"):
+                    use = name.startswith("kernel")
+                    r.cache.cpu_kernel = use  # the engine's default where the kernel builds
+                    assert r.cache.cpu_kernel == use, "the kernel did not build"
+                    if name == "kernel-thp":
+                        r.cache.keys = [huge_page_zeros(t) for t in r.cache.keys]
+                        r.cache.values = [huge_page_zeros(t) for t in r.cache.values]
+                    if name not in ("kernel", "kernel-thp", "sdpa-gqa"):
                         r.cache.attend = attend_with(all_forms[name]).__get__(r.cache)
                     compile_s[f"{name}@{C}"] = r.step.warmup(r.cache, r.aux, (1,))
                     r.forward(torch.randint(2, V, (C,), generator=g), 1)
