@@ -30,6 +30,18 @@ inline float to_float(c10::BFloat16 x) {
   return f;
 }
 
+// e^r for |r| <= ln2/2 (a float or a vector of them): Cephes' expf polynomial, degree 6.
+template <typename F>
+inline F exp_poly(F r) {
+  F p = F{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.0f;
+}
+
 // exp for x <= 88 (softmax arguments are <= 0): Cody-Waite reduction by ln 2 and a degree-6
 // polynomial on [-ln2/2, ln2/2] (Cephes' expf coefficients), ~1 ulp; plain arithmetic, so the
 // loop around it vectorizes (std::exp does not without -ffast-math).
@@ -37,13 +49,7 @@ inline float exp_approx(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
   const float fx = std::floor(x * 1.44269504088896341f + 0.5f);
   const float r = x - fx * 0.693359375f + fx * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
+  const float y = exp_poly(r);
   union { int32_t i; float f; } two_n;
   two_n.i = (static_cast<int32_t>(fx) + 127) << 23;
   return y * two_n.f;
@@ -97,13 +103,7 @@ inline v16f exp16(v16f x) {
   x = x > 88.0f ? v16f{} + 88.0f : x;
   const v16f fx = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const v16f r = x - fx * 0.693359375f + fx * 2.12194440e-4f;
-  v16f p = v16f{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const v16f y = p * r * r + r + 1.0f;
+  const v16f y = exp_poly(r);
   const v16i two_n = (__builtin_convertvector(fx, v16i) + 127) << 23;
   return y * reinterpret_cast<const v16f&>(two_n);
 }
