@@ -284,7 +284,8 @@ void run(const at::Tensor& q, const at::Tensor& K, const at::Tensor& V, const in
                             scratch.data());
     }
   });
-  at::Tensor res = at::empty({1, nh, m, hd}, q.options().dtype(at::kFloat));
+  // float32 queries: combine straight into the output; otherwise into float32, converted once at the end
+  at::Tensor res = out.scalar_type() == at::kFloat ? out : at::empty({1, nh, m, hd}, q.options().dtype(at::kFloat));
   float* rp = res.data_ptr<float>();
   for (int h = 0; h < nkv; ++h)
     for (int r = 0; r < R; ++r) {
@@ -305,7 +306,7 @@ void run(const at::Tensor& q, const at::Tensor& K, const at::Tensor& V, const in
       const float inv = 1.f / total;
       for (int d = 0; d < hd; ++d) dst[d] *= inv;
     }
-  out.copy_(res);
+  if (!res.is_same(out)) out.copy_(res);
 }
 
 template <typename T>
