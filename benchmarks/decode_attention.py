@@ -51,22 +51,6 @@ def kernel(q, K, V, keep, scale):
     return cpu_attention.decode_attention(q, K, V, pos, 0, scale)
 
 
-def huge_page_zeros(like: torch.Tensor) -> torch.Tensor:
-    """Zeros shaped as ``like`` in an anonymous mapping advised for transparent huge pages, starting
-    at a 2 MB boundary (Linux; the pages fault in as 2 MB pages on first touch)."""
-    import ctypes
-    import mmap
-
-    huge = 2 << 20
-    n = like.numel() * like.element_size()
-    m = mmap.mmap(-1, n + huge)
-    m.madvise(mmap.MADV_HUGEPAGE)
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
-    off = -addr % huge
-    flat = torch.frombuffer(m, dtype=torch.uint8)[off:off + n]
-    return flat.view(like.dtype).view(like.shape)
-
-
 def sdpa_gqa(q, K, V, keep, scale):
     return F.scaled_dot_product_attention(q, K, V, attn_mask=keep, scale=scale, enable_gqa=True)
 
@@ -118,9 +102,10 @@ def main() -> None:
     ap.add_argument("--forms", nargs="+", default=["kernel", "sdpa-gqa", "sdpa-fold", "reduce", "split"],
                     choices=["kernel", "sdpa-gqa", "sdpa-fold", "reduce", "split"], help="forms of the kernels section")
     ap.add_argument("--step-forms", nargs="+", default=["kernel", "sdpa-gqa"],
-                    choices=["kernel", "kernel-thp", "sdpa-gqa", "sdpa-fold", "reduce", "split"],
-                    help="attention forms of the steps section (kernel-thp: the kernel over cache buffers "
-                         "in transparent huge pages, each padded to 2 MB)")
+                    choices=["kernel", "kernel-4k", "sdpa-gqa", "sdpa-fold", "reduce", "split"],
+                    help="attention forms of the steps section (kernel: the engine's default, its cache in one "
+                         "mapping of transparent huge pages; kernel-4k: the kernel over buffers from torch.zeros, "
+                         "in 4 KB pages, as before 9n)")
     ap.add_argument("--repeats", type=int, default=60, help="timed calls per point")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -139,7 +124,8 @@ def main() -> None:
             sys.exit("the CPU decode-attention kernel did not build (see the warning above)")
         out_build_s = time.perf_counter() - t0
     out: dict = {"threads": args.threads, "repeats": args.repeats, "loadavg_start": os.getloadavg()[0],
-                 "torch": torch.__version__}
+                 "torch": torch.__version__, "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE"),
+                 "DRAFTSMITH_HUGE_PAGES": os.environ.get("DRAFTSMITH_HUGE_PAGES")}
     if "kernel" in args.forms + args.step_forms:
         out["kernel_build_or_load_s"] = out_build_s
     cpu = torch.device("cpu")
@@ -213,10 +199,10 @@ def main() -> None:
                     use = name.startswith("kernel")
                     r.cache.cpu_kernel = use  # the engine's default where the kernel builds
                     assert r.cache.cpu_kernel == use, "the kernel did not build"
-                    if name == "kernel-thp":
-                        r.cache.keys = [huge_page_zeros(t) for t in r.cache.keys]
-                        r.cache.values = [huge_page_zeros(t) for t in r.cache.values]
-                    if name not in ("kernel", "kernel-thp", "sdpa-gqa"):
+                    if name == "kernel-4k":
+                        r.cache.keys = [torch.zeros_like(t) for t in r.cache.keys]
+                        r.cache.values = [torch.zeros_like(t) for t in r.cache.values]
+                    if name not in ("kernel", "kernel-4k", "sdpa-gqa"):
                         r.cache.attend = attend_with(all_forms[name]).__get__(r.cache)
                     compile_s[f"{name}@{C}"] = r.step.warmup(r.cache, r.aux, (1,))
                     r.forward(torch.randint(2, V, (C,), generator=g), 1)
