@@ -20,7 +20,8 @@ faster once compiled? Two measurements, side by side in one run:
 
 2. ``steps`` (the verifier, ``--verifier``): the compiled one-token step at each of
    ``--contexts`` cached tokens with each of ``--step-forms`` as the static path's attention
-   (``kernel``: the engine's own; ``sdpa-gqa``: the cache's ``cpu_kernel = False``; the others
+   (``kernel``: the engine's own; ``kernel-thp``: the kernel over buffers carved from one mapping in
+   transparent huge pages; ``sdpa-gqa``: the cache's ``cpu_kernel = False``; the others
    replace ``KVCache.attend`` on the runner's cache),
    interleaved. Each (form, cache bucket) compiles its own graph: minutes of compile time
    before the timing starts.
@@ -49,6 +50,25 @@ def kernel(q, K, V, keep, scale):
 
     pos = keep.sum(-1) - 1  # keep is [m, S], true up to each query's position
     return cpu_attention.decode_attention(q, K, V, pos, 0, scale)
+
+
+def huge_page_buffers(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Zeroed copies of ``tensors``' shapes, each its own storage, all carved in order from one private
+    anonymous mapping advised for transparent huge pages and starting at a 2 MB boundary (Linux). Private:
+    a shared anonymous mapping is shmem, whose huge pages follow ``shmem_enabled`` ([never] here)."""
+    import mmap
+
+    huge = 2 << 20
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // 64) * 64
+    arena = mmap.mmap(-1, total + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arena.madvise(mmap.MADV_HUGEPAGE)
+    start = -torch.frombuffer(arena, dtype=torch.uint8, count=1).data_ptr() % huge
+    return [torch.frombuffer(arena, dtype=t.dtype, count=t.numel(), offset=start + off).view(t.shape)
+            for t, off in zip(tensors, offsets)]
 
 
 def sdpa_gqa(q, K, V, keep, scale):
@@ -102,10 +122,9 @@ def main() -> None:
     ap.add_argument("--forms", nargs="+", default=["kernel", "sdpa-gqa", "sdpa-fold", "reduce", "split"],
                     choices=["kernel", "sdpa-gqa", "sdpa-fold", "reduce", "split"], help="forms of the kernels section")
     ap.add_argument("--step-forms", nargs="+", default=["kernel", "sdpa-gqa"],
-                    choices=["kernel", "kernel-4k", "sdpa-gqa", "sdpa-fold", "reduce", "split"],
-                    help="attention forms of the steps section (kernel: the engine's default, its cache in one "
-                         "mapping of transparent huge pages; kernel-4k: the kernel over buffers from torch.zeros, "
-                         "in 4 KB pages, as before 9n)")
+                    choices=["kernel", "kernel-thp", "sdpa-gqa", "sdpa-fold", "reduce", "split"],
+                    help="attention forms of the steps section (kernel-thp: the kernel over the cache's buffers "
+                         "carved from one mapping in transparent huge pages, K beside V per layer; BENCHMARKS 9n)")
     ap.add_argument("--repeats", type=int, default=60, help="timed calls per point")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -124,8 +143,7 @@ def main() -> None:
             sys.exit("the CPU decode-attention kernel did not build (see the warning above)")
         out_build_s = time.perf_counter() - t0
     out: dict = {"threads": args.threads, "repeats": args.repeats, "loadavg_start": os.getloadavg()[0],
-                 "torch": torch.__version__, "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE"),
-                 "DRAFTSMITH_HUGE_PAGES": os.environ.get("DRAFTSMITH_HUGE_PAGES")}
+                 "torch": torch.__version__, "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE")}
     if "kernel" in args.forms + args.step_forms:
         out["kernel_build_or_load_s"] = out_build_s
     cpu = torch.device("cpu")
@@ -199,10 +217,10 @@ def main() -> None:
                     use = name.startswith("kernel")
                     r.cache.cpu_kernel = use  # the engine's default where the kernel builds
                     assert r.cache.cpu_kernel == use, "the kernel did not build"
-                    if name == "kernel-4k":
-                        r.cache.keys = [torch.zeros_like(t) for t in r.cache.keys]
-                        r.cache.values = [torch.zeros_like(t) for t in r.cache.values]
-                    if name not in ("kernel", "kernel-4k", "sdpa-gqa"):
+                    if name == "kernel-thp":
+                        bufs = huge_page_buffers([t for pair in zip(r.cache.keys, r.cache.values) for t in pair])
+                        r.cache.keys, r.cache.values = bufs[0::2], bufs[1::2]
+                    if name not in ("kernel", "kernel-thp", "sdpa-gqa"):
                         r.cache.attend = attend_with(all_forms[name]).__get__(r.cache)
                     compile_s[f"{name}@{C}"] = r.step.warmup(r.cache, r.aux, (1,))
                     r.forward(torch.randint(2, V, (C,), generator=g), 1)

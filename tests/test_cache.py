@@ -12,7 +12,6 @@ from conftest import tiny_model
 from draftsmith import generate
 from draftsmith.decoding.runner import runner_kind, verifier_runner
 from draftsmith.errors import DraftsmithError
-from draftsmith.models import kv as kv_mod
 from draftsmith.models.kv import KVCache
 from draftsmith.models.lean import LeanDecoder, fast_rope_matches
 
@@ -322,109 +321,6 @@ def test_static_attention_equals_the_prefix_read(nkv, window, dtype, kernel):
                                       atol=10 * tol)
 
 
-def _mapping_of(addr: int) -> dict[str, int]:
-    """The /proc/self/smaps entry of the mapping holding ``addr``: its bounds and AnonHugePages (kB)."""
-    with open("/proc/self/smaps") as f:
-        lines = f.read().splitlines()
-    found = None
-    for line in lines:
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            found = {"lo": lo, "hi": hi} if lo <= addr < hi else None
-        elif found is not None and line.startswith("AnonHugePages:"):
-            found["huge_kb"] = int(line.split()[1])
-            return found
-    raise AssertionError(f"no mapping holds {addr:#x}")
-
-
-def _thp_mode() -> str:
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return "absent"
-    return text.split("[")[1].split("]")[0]
-
-
-@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the mappings of a Linux process")
-def test_host_cache_is_one_huge_page_mapping_and_plain_when_switched_off(monkeypatch):
-    """A CPU cache of 4 MB or more: every buffer its own contiguous, zeroed storage, none overlapping,
-    all in one mapping that starts at a 2 MB boundary and, once written, is held in 2 MB pages (where
-    the system allows them); ``DRAFTSMITH_HUGE_PAGES=0`` (negative control) gives plain allocations."""
-    monkeypatch.delenv("DRAFTSMITH_HUGE_PAGES", raising=False)
-    c = KVCache(30, 3, 64, 1536, torch.float32, "cpu")
-    bufs = [t for pair in zip(c.keys, c.values) for t in pair]
-    assert len({t.untyped_storage().data_ptr() for t in bufs}) == 60
-    assert all(t.is_contiguous() and t.shape == (1, 3, 1536, 64) and not t.any() for t in bufs)
-    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in bufs]
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # in order K0 V0 K1 V1 .., no overlap
-    assert spans[0][0] % (2 << 20) == 0
-    region = _mapping_of(spans[0][0])
-    assert region["lo"] <= spans[0][0] and spans[-1][1] <= region["hi"]  # one mapping holds them all
-    c.keys[7][0, 2, 100] = 3.0  # each its own buffer: a write shows in that one only
-    assert c.keys[7].sum() == 192 and not c.values[7].any() and not c.keys[8].any()
-    for t in bufs:
-        t.fill_(1.0)
-    huge = _mapping_of(spans[0][0])["huge_kb"]
-    if _thp_mode() in ("always", "madvise"):
-        assert huge >= 60 * 1024, huge  # 70.8 MB of buffers: at least 60 MB in 2 MB pages
-    c.advance(200)
-    c.reserve(2000)  # growing keeps the layout and the valid positions
-    assert c.capacity == 3072 and c.keys[7][0, 2, 100, 0] == 1.0 and not c.keys[7][0, 2, 200].any()
-    assert _mapping_of(c.keys[0].data_ptr())["lo"] <= c.values[-1].data_ptr() < _mapping_of(c.keys[0].data_ptr())["hi"]
-
-    monkeypatch.setenv("DRAFTSMITH_HUGE_PAGES", "0")
-    plain = KVCache(30, 3, 64, 1536, torch.float32, "cpu")
-    for t in plain.keys + plain.values:
-        t.fill_(1.0)
-    assert _mapping_of(plain.keys[0].data_ptr())["huge_kb"] == 0 or _thp_mode() == "always"
-    assert KVCache(2, 1, 8, 16, torch.float32, "cpu").keys[0].data_ptr() % 64 == 0  # small: torch.zeros
-
-
-def test_huge_page_mapping_is_released_with_its_last_tensor(monkeypatch):
-    monkeypatch.delenv("DRAFTSMITH_HUGE_PAGES", raising=False)
-    c = KVCache(30, 3, 64, 1536, torch.float32, "cpu")
-    addr = c.keys[0].data_ptr()
-    keep = c.values[-1]
-    del c
-    _mapping_of(addr)  # a tensor of it is alive: still mapped
-    del keep
-    import gc
-
-    gc.collect()
-    with pytest.raises(AssertionError, match="no mapping"):
-        _mapping_of(addr)
-
-
-@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "sdpa"])
-def test_static_steps_over_huge_page_buffers_equal_plain_ones(kernel, monkeypatch):
-    """The same static-mode steps (the compiled path's attention) over buffers from one huge-page mapping
-    and over ``torch.zeros`` buffers: bitwise the same outputs, rollback included."""
-    model = tiny_model("llama")
-    dec = LeanDecoder(model)
-    ids = _ids(24)
-    outs = []
-    for huge in (True, False):
-        monkeypatch.setattr(kv_mod, "HUGE_PAGE_MIN_BYTES", 0 if huge else 1 << 62)
-        with torch.inference_mode():
-            c = dec.new_cache(40)
-            if huge:  # one mapping, from a 2 MB boundary (the plain ones: wherever torch's allocator puts them)
-                region = _mapping_of(c.keys[0].data_ptr())
-                assert c.keys[0].data_ptr() % (2 << 20) == 0 and c.values[-1].data_ptr() < region["hi"]
-            c.cpu_kernel = kernel
-            dec.forward(ids[:12], torch.arange(12), c, 1)
-            c.advance(12)
-            c.static = True
-            got = []
-            for a, b in [(12, 13), (13, 17), (17, 18)]:
-                got.append(dec.forward(ids[a:b], torch.arange(a, b), c, None)[0])
-                c.advance(b - a)
-            c.rollback(14)
-            got.append(dec.forward(ids[20:23], torch.arange(14, 17), c, None)[0])
-            outs.append(torch.cat(got))
-    assert torch.equal(outs[0], outs[1])
-
-
 def test_auto_path_per_model():
     """Supported models take the lean path; others run transformers' forward on the static cache."""
     for arch in ARCHS:
@@ -690,27 +586,6 @@ def test_continuous_batching_equals_transformers_generate(arch, temperature, mon
     lean = generate_batch(model, short_first, seeds[:3], params, 8, [], 1, engine="lean", batch_size=1)
     assert lean == generate_batch(model, short_first, seeds[:3], params, 8, [], 1, engine="hf")
     assert len([d for d in moves if d > 0]) >= 2  # the first prompt's admission, then the long one's
-
-
-def test_batch_caches_in_huge_page_mappings_give_the_same_replies(monkeypatch):
-    """Regeneration's batched caches (new, grown, compacted, rows dropped) from huge-page mappings:
-    the replies of plain buffers, which are transformers generate's."""
-    from draftsmith.data.generation import generate_batch
-    from draftsmith.decoding.sampling import SamplingParams
-
-    model, prompts = tiny_model("llama"), _prompts((5, 17, 9, 3, 30, 12, 21, 8, 2, 14))
-    params = SamplingParams(temperature=0.0)
-    seeds = list(range(len(prompts)))
-    hf = generate_batch(model, prompts, seeds, params, 40, [1], 1, engine="hf")
-    monkeypatch.setattr(kv_mod, "HUGE_PAGE_MIN_BYTES", 0)
-    arenas = []
-    real = kv_mod.host_zeros
-    monkeypatch.setattr(kv_mod, "host_zeros", lambda shapes, dtype: (arenas.append(len(shapes)), real(shapes, dtype))[1])
-    for batch_size in (3, 16):  # rows refilled and compacted; rows dropped as they finish
-        arenas.clear()
-        lean = generate_batch(model, prompts, seeds, params, 40, [1], 1, engine="lean", batch_size=batch_size)
-        assert lean == hf
-        assert len(arenas) >= 2 and all(n == 2 * model.config.num_hidden_layers for n in arenas)
 
 
 def test_continuous_batching_negative_control(monkeypatch):

@@ -22,10 +22,6 @@ Two ways to read the cache, same buffers:
   elsewhere (CUDA, or where the kernel cannot be built) SDPA attends over all S slots
   under a mask built from that tensor.
 
-On the CPU a cache of 4 MB or more lives in one anonymous mapping advised for transparent
-huge pages (:func:`host_zeros`; each buffer still its own tensor and storage), so streaming it
-once per step does not take a TLB miss every 4 KB (``DRAFTSMITH_HUGE_PAGES=0``: ``torch.zeros``).
-
 ``per_query=True`` (eager only) makes a multi-token forward after the prompt attend
 one query at a time, each exactly as a one-token step at its position would: the
 same call on the same keys. A verifier whose other operations are row-wise exact
@@ -38,9 +34,6 @@ calls per layer instead of one.
 
 from __future__ import annotations
 
-import mmap
-import os
-import sys
 from typing import Sequence
 
 import torch
@@ -57,61 +50,6 @@ def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     built once, it saves SDPA the conversion on every layer's call.
     """
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
-
-
-#: Host caches at least this large come from one mapping in transparent huge pages (see host_zeros).
-HUGE_PAGE_MIN_BYTES = 4 << 20
-_HUGE = 2 << 20
-
-
-def huge_pages_enabled() -> bool:
-    """Whether :func:`host_zeros` may use transparent huge pages: Linux with ``MADV_HUGEPAGE``, not
-    switched off by ``DRAFTSMITH_HUGE_PAGES=0``."""
-    off = os.environ.get("DRAFTSMITH_HUGE_PAGES", "1").strip().lower() in ("0", "false", "no", "off")
-    return not off and sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
-
-
-def host_zeros(shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Zeroed CPU tensors of ``shapes``, each its own storage, all carved from one anonymous mapping
-    advised for transparent huge pages (Linux), when they add up to :data:`HUGE_PAGE_MIN_BYTES` or more.
-
-    Why: a one-token step streams the whole KV cache once per step (47 MB for SmolLM2-135M at 1024
-    tokens), and in 4 KB pages every page is a TLB miss and a restart of the hardware prefetcher,
-    which stops at page boundaries; in 2 MB pages the cache reads nearer the bandwidth the weights'
-    GEMMs get (BENCHMARKS.md 9n). One mapping for every layer pads the whole cache to 2 MB once,
-    not each buffer (a per-buffer mapping would cost up to 2 MB per layer's K and V). The pages are
-    the kernel's zero pages until written (an anonymous mapping reads as zeros), so nothing is
-    touched here; the mapping is released when the last of its tensors is. Elsewhere (not Linux,
-    smaller, or ``DRAFTSMITH_HUGE_PAGES=0``): ``torch.zeros``.
-    """
-    item = torch.empty((), dtype=dtype).element_size()
-    sizes = [max(1, int(torch.Size(sh).numel())) * item for sh in shapes]
-    offsets, total = [], 0
-    for n in sizes:
-        offsets.append(total)
-        total += -(-n // 64) * 64  # cache-line aligned
-    if total < HUGE_PAGE_MIN_BYTES or not huge_pages_enabled():
-        return [torch.zeros(tuple(sh), dtype=dtype) for sh in shapes]
-    # An anonymous mapping starts at a page boundary, not at a 2 MB one: map 2 MB more and start the
-    # tensors at the first 2 MB boundary, so every 2 MB of them can be one huge page.
-    # private: a shared anonymous mapping is shmem, whose huge pages follow another switch (often "never")
-    arena = mmap.mmap(-1, total + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        arena.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # a kernel without THP: plain pages, still one mapping
-        pass
-    base = torch.frombuffer(arena, dtype=torch.uint8, count=1)
-    start = -base.data_ptr() % _HUGE
-    del base
-    return [torch.frombuffer(arena, dtype=dtype, count=max(1, n // item), offset=start + off).view(tuple(sh))
-            for sh, n, off in zip(shapes, sizes, offsets)]
-
-
-def _zeros_like_buffers(shapes: Sequence[Sequence[int]], dtype: torch.dtype,
-                        device: torch.device | str) -> list[torch.Tensor]:
-    if torch.device(device).type == "cpu":
-        return host_zeros(shapes, dtype)
-    return [torch.zeros(tuple(sh), dtype=dtype, device=device) for sh in shapes]
 
 
 class KVCache:
@@ -138,10 +76,8 @@ class KVCache:
         self.windows = list(windows) if windows is not None else [None] * num_layers
         if not len(nkv) == len(hd) == len(self.windows) == num_layers:
             raise DraftsmithError("KV cache: one head count, head dim and window per layer")
-        shapes = [(1, n, capacity, d) for n, d in zip(nkv, hd)]
-        # CPU: one huge-page mapping, each layer's K beside its V (a step reads them together)
-        buffers = _zeros_like_buffers([sh for sh in shapes for _ in "kv"], dtype, device)
-        self.keys, self.values = buffers[0::2], buffers[1::2]
+        self.keys = [torch.zeros(1, n, capacity, d, dtype=dtype, device=device) for n, d in zip(nkv, hd)]
+        self.values = [torch.zeros_like(k) for k in self.keys]
         self.capacity = capacity
         self.length = 0
         self._static = False
@@ -179,12 +115,11 @@ class KVCache:
         if capacity <= self.capacity:
             return
         capacity = max(capacity, 2 * self.capacity)
-        old = [t for pair in zip(self.keys, self.values) for t in pair]
-        new = _zeros_like_buffers([(t.shape[0], t.shape[1], capacity, t.shape[3]) for t in old], old[0].dtype,
-                                  old[0].device)
-        for a, b in zip(new, old):
-            a[:, :, : self.length] = b[:, :, : self.length]
-        self.keys, self.values = new[0::2], new[1::2]
+        for buffers in (self.keys, self.values):
+            for j, old in enumerate(buffers):
+                new = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
+                new[:, :, : self.length] = old[:, :, : self.length]
+                buffers[j] = new
         self.capacity = capacity
 
     def mark_static_addresses(self) -> None:
@@ -343,9 +278,8 @@ class BatchKVCache:
         if capacity < 1 or not pads:
             raise DraftsmithError(f"batch KV cache needs rows and capacity >= 1, got {len(pads)} rows, {capacity}")
         B = len(pads)
-        shapes = [(B, n, capacity, d) for n, d in zip(num_kv_heads, head_dim)]
-        buffers = _zeros_like_buffers([sh for sh in shapes for _ in "kv"], dtype, device)  # as KVCache's
-        self.keys, self.values = buffers[0::2], buffers[1::2]
+        self.keys = [torch.zeros(B, n, capacity, d, dtype=dtype, device=device) for n, d in zip(num_kv_heads, head_dim)]
+        self.values = [torch.zeros_like(k) for k in self.keys]
         self.windows = list(windows) if windows is not None else [None] * num_layers
         self.pads = torch.as_tensor(list(pads), dtype=torch.long, device=device)
         self._pads = [int(p) for p in pads]  # the same on the host: decisions without a device sync
@@ -433,16 +367,14 @@ class BatchKVCache:
         lo = max(0, -d)
         if lo > min(self._pads):
             raise DraftsmithError(f"batch KV cache: cannot drop {lo} slots, a row starts at {min(self._pads)}")
-        if cap != self.capacity:
-            old = [t for pair in zip(self.keys, self.values) for t in pair]
-            new = _zeros_like_buffers([(t.shape[0], t.shape[1], cap, t.shape[3]) for t in old], old[0].dtype,
-                                      old[0].device)
-            for a, b in zip(new, old):
-                a[:, :, lo + d:T + d] = b[:, :, lo:T]
-            self.keys, self.values = new[0::2], new[1::2]
-        elif d:
-            for t in self.keys + self.values:
-                t[:, :, lo + d:T + d] = t[:, :, lo:T].clone()  # the ranges overlap
+        for buffers in (self.keys, self.values):
+            for j, old in enumerate(buffers):
+                if cap != self.capacity:
+                    new = old.new_zeros(old.shape[0], old.shape[1], cap, old.shape[3])
+                    new[:, :, lo + d:T + d] = old[:, :, lo:T]
+                    buffers[j] = new
+                elif d:
+                    old[:, :, lo + d:T + d] = old[:, :, lo:T].clone()  # the ranges overlap
         self.pads += d
         self._pads = [p + d for p in self._pads]
         self.length = T + d
@@ -453,11 +385,10 @@ class BatchKVCache:
         """Keep only ``rows`` (indices into the current batch), copying their valid slots."""
         idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.pads.device)
         T = self.length
-        old = [t for pair in zip(self.keys, self.values) for t in pair]
-        new = _zeros_like_buffers([(len(rows), t.shape[1], self.capacity, t.shape[3]) for t in old], old[0].dtype,
-                                  old[0].device)
-        for a, b in zip(new, old):
-            a[:, :, :T] = b[:, :, :T].index_select(0, idx)
-        self.keys, self.values = new[0::2], new[1::2]
+        for buffers in (self.keys, self.values):
+            for j, old in enumerate(buffers):
+                new = old.new_empty(len(rows), old.shape[1], self.capacity, old.shape[3])
+                new[:, :, :T] = old[:, :, :T].index_select(0, idx)
+                buffers[j] = new
         self.pads = self.pads.index_select(0, idx)
         self._pads = [self._pads[r] for r in rows]
