@@ -392,6 +392,84 @@ def test_compiled_steps_equal_eager_and_are_reused():
 
     # the compiled verifier steps attended through the CPU kernel (models/cpu_attention), not SDPA
     assert all(c.cpu_kernel for c in runner_mod._COMPILED[verifier].caches.values())
+    # and the later calls of a seen signature skipped the full guard check: the verifier's one-token
+    # and verify steps, and the draft's steps
+    assert len(runner_mod._COMPILED[verifier].fn.trusted) >= 2
+    assert len(proposer._compiled.trusted) >= 2
+    # ... and none of them needed a graph its distinguishing guards could not find (the signature
+    # tells apart every call dynamo's guards do here: views by their offsets among them)
+    assert not runner_mod._COMPILED[verifier].fn.distrusted and not proposer._compiled.distrusted
+
+
+_FACTOR = 2.0
+
+
+def _times_factor(x: torch.Tensor) -> torch.Tensor:
+    return x * _FACTOR  # a global a guard watches: changing it recompiles, unless guards are skipped
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["auto", "full"])
+def test_compiled_calls_skip_guards_only_on_a_signature_that_passed_them(monkeypatch, mode):
+    """CompiledFn checks dynamo's guards in full on the first call of each signature (shapes, dtypes,
+    strides, caches, autograd mode) and skips all but the distinguishing ones on its repeats
+    (DRAFTSMITH_COMPILE_GUARDS=auto on the CPU); =full checks every call. The control: a global the
+    graph reads changes between calls of one signature - under skipping the stale graph runs (so
+    the skip is real, and why a compiled step is rebuilt when its weights or layout change), under
+    full checks it recompiles."""
+    from draftsmith.decoding.runner import CompiledFn, call_signature
+
+    monkeypatch.setenv("DRAFTSMITH_COMPILE_GUARDS", mode)
+    monkeypatch.setattr(__import__(__name__), "_FACTOR", 2.0)
+    fn = CompiledFn(_times_factor, torch.device("cpu"))
+    assert fn.skip_guards == (mode == "auto")
+    a, b = torch.arange(3.0), torch.arange(5.0)
+    with torch.inference_mode():
+        assert torch.equal(fn(a), a * 2) and torch.equal(fn(b), b * 2)  # two signatures, each checked in full
+        assert torch.equal(fn(b), b * 2) and torch.equal(fn(a), a * 2)  # repeats pick their own graphs
+        c = torch.arange(7.0)  # a new shape while the others are trusted: checked in full, correct
+        assert torch.equal(fn(c), c * 2)
+        monkeypatch.setattr(__import__(__name__), "_FACTOR", 3.0)
+        stale = torch.equal(fn(a), a * 2)
+        assert stale == (mode == "auto")
+        assert torch.equal(fn(torch.arange(4.0)), torch.arange(4.0) * 3)  # unseen: full check, recompiled
+    assert len(fn.trusted) == (3 if mode == "auto" else 0) + (1 if mode == "auto" else 0)
+    # the signature tells shapes, strides, dtypes and the autograd mode apart
+    x = torch.zeros(2, 3)
+    sigs = {call_signature((x,)), call_signature((x.t(),)), call_signature((x.double(),)),
+            call_signature((x, (1, 2))), call_signature((x, (1, 3)))}
+    with torch.no_grad():
+        sigs.add(call_signature((x,)))
+    assert len(sigs) == 6
+
+
+@pytest.mark.slow
+def test_a_trusted_signature_that_needs_another_graph_falls_back_to_full_guards(monkeypatch):
+    """If a signature ever missed what tells two graphs apart, the skipped check finds no graph (dynamo
+    refuses to recompile under skipping): the call reruns with every guard checked, and the signature
+    is never trusted again. Here every call is given one signature, and shapes change under it."""
+    from draftsmith.decoding import runner
+
+    monkeypatch.setenv("DRAFTSMITH_COMPILE_GUARDS", "auto")
+    monkeypatch.setattr(runner, "call_signature", lambda args: ("one",))
+    fn = runner.CompiledFn(lambda x: x * 2, torch.device("cpu"))
+    with torch.inference_mode():
+        for n in (3, 5, 3, 7, 7):
+            x = torch.arange(float(n))
+            assert torch.equal(fn(x), x * 2)
+    assert fn.distrusted == {("one",)} and not fn.trusted
+
+
+def test_compile_guards_setting_is_checked(monkeypatch):
+    from draftsmith.decoding.runner import guard_skipping
+
+    monkeypatch.setenv("DRAFTSMITH_COMPILE_GUARDS", "sometimes")
+    with pytest.raises(DraftsmithError, match="auto, full or skip"):
+        guard_skipping(False)
+    monkeypatch.setenv("DRAFTSMITH_COMPILE_GUARDS", "auto")
+    assert guard_skipping(False) and not guard_skipping(True)
+    monkeypatch.setenv("DRAFTSMITH_COMPILE_GUARDS", "skip")
+    assert guard_skipping(True)
 
 
 @pytest.mark.slow
