@@ -239,10 +239,10 @@ def guard_skipping(cuda: bool) -> bool:
 
 
 def call_signature(args: tuple) -> tuple:
-    """What selects a compiled graph for a call of a compiled step: each tensor's shape, strides, storage
-    offset (dynamo guards views by it), dtype and device; each cache by identity and the shape, dtype and window of its buffers; other values as
-    they are (ints, tuples of them); and the autograd mode. Two calls of one signature run the same
-    graph on whatever the tensors hold."""
+    """What selects a compiled graph for a call of a compiled step: each tensor's shape, strides,
+    storage offset (dynamo guards views by it), dtype and device; each cache by identity and the
+    shape, dtype and windows of its buffers; other values as they are (ints, tuples of them); and the
+    autograd mode. Two calls of one signature run the same graph on whatever the tensors hold."""
     out: list = [torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
     for a in args:
         if isinstance(a, torch.Tensor):
