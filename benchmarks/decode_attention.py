@@ -9,7 +9,11 @@ faster once compiled? Two measurements, side by side in one run:
    (``decoding/runner.CompiledFn``), interleaved, medians:
 
    - ``kernel``: the engine's static path on the CPU, ``models/cpu_attention``'s C++ op (reads the
-     slots up to the query's position only; here the position is S - 10, so nearly all of them);
+     slots up to the query's position only; the position is S - 10, so nearly all of them, or
+     each of ``--cached``); ``--flush-mb`` reads that much memory before each timed pass, so the
+     K/V come from memory as in a step (where the weights evict them);
+   - ``kernel-baseline``: the same op built from another version of its source
+     (``--baseline-kernel``, e.g. an older commit's), both in one process;
    - ``sdpa-gqa``: ``F.scaled_dot_product_attention(..., enable_gqa=True)`` with the mask
      (the static path on CUDA, and on the CPU before the kernel);
    - ``sdpa-fold``: SDPA with each KV head's query heads folded into one head's queries;
@@ -20,13 +24,21 @@ faster once compiled? Two measurements, side by side in one run:
 
 2. ``steps`` (the verifier, ``--verifier``): the compiled one-token step at each of
    ``--contexts`` cached tokens with each of ``--step-forms`` as the static path's attention
-   (``kernel``: the engine's own; ``kernel-thp``: the kernel over buffers carved from one mapping in
+   (``kernel``: the engine's own; ``kernel-baseline``: the ``--baseline-kernel`` build; ``kernel-thp``: the kernel over buffers carved from one mapping in
    transparent huge pages; ``sdpa-gqa``: the cache's ``cpu_kernel = False``; the others
    replace ``KVCache.attend`` on the runner's cache),
-   interleaved. Each (form, cache bucket) compiles its own graph: minutes of compile time
-   before the timing starts.
+   interleaved; ``--capacity shared`` sizes every context's cache to the largest (one bucket).
+   Each (form, cache bucket) compiles its own graph: minutes of compile time before the timing
+   starts.
 
     PYTHONPATH=src python benchmarks/decode_attention.py --threads 2 --out benchmarks/results/decode-attention.json
+
+A kernel change against the committed one, from memory, then in the step::
+
+    git show HEAD:src/draftsmith/models/cpu_attention.cpp > /tmp/kernel-head.cpp
+    PYTHONPATH=src python benchmarks/decode_attention.py --threads 2 --baseline-kernel /tmp/kernel-head.cpp \
+        --forms kernel kernel-baseline --slots 1536 --cached 128 1024 --flush-mb 640 \
+        --step-forms kernel kernel-baseline --capacity shared
 """
 
 from __future__ import annotations
@@ -50,6 +62,45 @@ def kernel(q, K, V, keep, scale):
 
     pos = keep.sum(-1) - 1  # keep is [m, S], true up to each query's position
     return cpu_attention.decode_attention(q, K, V, pos, 0, scale)
+
+
+BASELINE_NS = "draftsmith_baseline"
+
+
+def build_baseline(source: Path):
+    """Another version of the kernel's C++ source (e.g. ``git show REV:src/draftsmith/models/cpu_attention.cpp``),
+    built as the engine builds its own but registered as ``draftsmith_baseline::decode_attention``, so both
+    run in one process: form ``kernel-baseline``."""
+    import hashlib
+
+    from torch.utils import cpp_extension
+
+    from draftsmith.models import cpu_attention
+
+    cpu_attention.available()  # puts the ninja wheel's binary on PATH
+    text = source.read_text()
+    for a in ("TORCH_LIBRARY_FRAGMENT(draftsmith,", "TORCH_LIBRARY_IMPL(draftsmith,"):
+        if a not in text:
+            sys.exit(f"{source}: no {a!r}; not a version of models/cpu_attention.cpp")
+    text = text.replace("TORCH_LIBRARY_FRAGMENT(draftsmith,", f"TORCH_LIBRARY({BASELINE_NS},").replace(
+        "TORCH_LIBRARY_IMPL(draftsmith,", f"TORCH_LIBRARY_IMPL({BASELINE_NS},")
+    flags = ["-O3", "-fopenmp", "-DNDEBUG"] + cpu_attention._ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
+    digest = hashlib.sha256(text.encode() + " ".join(flags).encode()).hexdigest()[:12]
+    build_dir = Path(cpp_extension._get_build_directory(f"draftsmith_baseline_{digest}", False))
+    src = build_dir / "baseline.cpp"
+    if not src.exists() or src.read_text() != text:
+        src.write_text(text)
+    cpp_extension.load(name=f"draftsmith_baseline_{digest}", sources=[str(src)], extra_cflags=flags,
+                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    torch.library.register_fake(f"{BASELINE_NS}::decode_attention")(cpu_attention._fake)
+
+
+def kernel_baseline(q, K, V, keep, scale):
+    """``kernel`` through the ``--baseline-kernel`` build."""
+    from draftsmith.models import cpu_attention
+
+    pos = keep.sum(-1) - 1
+    return getattr(torch.ops, BASELINE_NS).decode_attention(q, K, V, pos, 0, scale, cpu_attention.CHUNK)
 
 
 def huge_page_buffers(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -119,12 +170,24 @@ def main() -> None:
     ap.add_argument("--sections", nargs="+", default=["kernels", "steps"], choices=["kernels", "steps"])
     ap.add_argument("--slots", type=int, nargs="+", default=[512, 1536], help="S of the kernels section")
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 1024], help="cached tokens of the steps section")
+    ap.add_argument("--cached", type=int, nargs="+", default=None,
+                    help="kernels section: cached positions to attend at (each below every --slots); default S - 9")
+    ap.add_argument("--flush-mb", type=int, default=0,
+                    help="kernels section: read this many MB (a sum, no writes) before each timed pass, so the "
+                         "K/V come from memory as in a step, where the weights evict them (0: none)")
     ap.add_argument("--forms", nargs="+", default=["kernel", "sdpa-gqa", "sdpa-fold", "reduce", "split"],
-                    choices=["kernel", "sdpa-gqa", "sdpa-fold", "reduce", "split"], help="forms of the kernels section")
+                    choices=["kernel", "kernel-baseline", "sdpa-gqa", "sdpa-fold", "reduce", "split"],
+                    help="forms of the kernels section")
     ap.add_argument("--step-forms", nargs="+", default=["kernel", "sdpa-gqa"],
-                    choices=["kernel", "kernel-thp", "sdpa-gqa", "sdpa-fold", "reduce", "split"],
+                    choices=["kernel", "kernel-baseline", "kernel-thp", "sdpa-gqa", "sdpa-fold", "reduce", "split"],
                     help="attention forms of the steps section (kernel-thp: the kernel over the cache's buffers "
                          "carved from one mapping in transparent huge pages, K beside V per layer; BENCHMARKS 9n)")
+    ap.add_argument("--baseline-kernel", type=Path, default=None,
+                    help="another version of models/cpu_attention.cpp for the forms kernel-baseline (e.g. `git show "
+                         "REV:src/draftsmith/models/cpu_attention.cpp > old.cpp`)")
+    ap.add_argument("--capacity", choices=["per-point", "shared"], default="per-point",
+                    help="steps section: each context's cache sized to it (its own capacity bucket and graph) or "
+                         "every cache sized to the largest context (one graph, as one growing request sees)")
     ap.add_argument("--repeats", type=int, default=60, help="timed calls per point")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -133,18 +196,25 @@ def main() -> None:
     import draftsmith.models.kv as kv
     from draftsmith.decoding.runner import CompiledFn
 
-    all_forms = {"kernel": kernel, "sdpa-gqa": sdpa_gqa, "sdpa-fold": sdpa_fold, "reduce": reduce, "split": split}
+    all_forms = {"kernel": kernel, "kernel-baseline": kernel_baseline, "sdpa-gqa": sdpa_gqa, "sdpa-fold": sdpa_fold,
+                 "reduce": reduce, "split": split}
     forms = {name: all_forms[name] for name in args.forms}
-    if "kernel" in args.forms + args.step_forms:
+    if any(f.startswith("kernel") for f in args.forms + args.step_forms):
         from draftsmith.models import cpu_attention
 
         t0 = time.perf_counter()
         if not cpu_attention.available():
             sys.exit("the CPU decode-attention kernel did not build (see the warning above)")
         out_build_s = time.perf_counter() - t0
+    if "kernel-baseline" in args.forms + args.step_forms:
+        if args.baseline_kernel is None:
+            sys.exit("the form kernel-baseline needs --baseline-kernel")
+        build_baseline(args.baseline_kernel)
     out: dict = {"threads": args.threads, "repeats": args.repeats, "loadavg_start": os.getloadavg()[0],
+                 "baseline_kernel": str(args.baseline_kernel) if args.baseline_kernel else None,
+                 "flush_mb": args.flush_mb, "capacity": args.capacity,
                  "torch": torch.__version__, "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE")}
-    if "kernel" in args.forms + args.step_forms:
+    if any(f.startswith("kernel") for f in args.forms + args.step_forms):
         out["kernel_build_or_load_s"] = out_build_s
     cpu = torch.device("cpu")
     g = torch.Generator().manual_seed(0)
@@ -152,11 +222,11 @@ def main() -> None:
         if "kernels" in args.sections:
             L, nkv, rep, hd = 30, 3, 3, 64
             res: dict = {}
+            flush = torch.ones(args.flush_mb * 2**18) if args.flush_mb else None  # float32: MB * 2^18 values
             for S in args.slots:
                 Ks = [torch.randn(1, nkv, S, hd, generator=g) for _ in range(L)]
                 Vs = [torch.randn(1, nkv, S, hd, generator=g) for _ in range(L)]
                 q = torch.randn(1, nkv * rep, 1, hd, generator=g)
-                pos = torch.tensor([S - 10])
 
                 def layers(f):
                     def run(q, Ks, Vs, pos):
@@ -165,30 +235,37 @@ def main() -> None:
                     return run
 
                 comp = {name: CompiledFn(layers(f), cpu) for name, f in forms.items()}
-                ref = layers(sdpa_gqa)(q, Ks, Vs, pos)
-                row: dict = {}
-                for name, f in comp.items():
-                    t0 = time.perf_counter()
-                    got = f(q, Ks, Vs, pos)
-                    row[name] = {"compile_s": time.perf_counter() - t0,
-                                 "max_abs_diff": max((a - b).abs().max().item() for a, b in zip(got, ref))}
-                times = {name: [] for name in comp}
-                for r in range(args.repeats + 3):
-                    names = list(comp)[r % len(comp):] + list(comp)[:r % len(comp)]
-                    for name in names:
+                for C in args.cached or [S - 9]:
+                    if not 1 <= C <= S:
+                        sys.exit(f"--cached {C}: outside 1..{S} slots")
+                    pos = torch.tensor([C - 1])
+                    ref = layers(sdpa_gqa)(q, Ks, Vs, pos)
+                    row: dict = {}
+                    for name, f in comp.items():
                         t0 = time.perf_counter()
-                        comp[name](q, Ks, Vs, pos)
-                        if r >= 3:
-                            times[name].append(time.perf_counter() - t0)
-                for name, ts in times.items():
-                    row[name]["median_ms"] = 1e3 * statistics.median(ts)
-                kv_mb = 2 * L * nkv * S * hd * 4 / 1e6
-                for name in row:
-                    row[name]["GB_per_s"] = kv_mb / row[name]["median_ms"]
-                res[str(S)] = row
-                for name, d in row.items():
-                    print(f"[kernels] S={S} {name:9s} {d['median_ms']:6.2f} ms  {d['GB_per_s']:5.1f} GB/s of K/V "
-                          f"(compile {d['compile_s']:.1f} s, max |diff| {d['max_abs_diff']:.1e})", flush=True)
+                        got = f(q, Ks, Vs, pos)
+                        row[name] = {"first_call_s": time.perf_counter() - t0,
+                                     "max_abs_diff": max((a - b).abs().max().item() for a, b in zip(got, ref))}
+                    times = {name: [] for name in comp}
+                    for r in range(args.repeats + 3):
+                        names = list(comp)[r % len(comp):] + list(comp)[:r % len(comp)]
+                        for name in names:
+                            if flush is not None:
+                                flush.sum()
+                            t0 = time.perf_counter()
+                            comp[name](q, Ks, Vs, pos)
+                            if r >= 3:
+                                times[name].append(time.perf_counter() - t0)
+                    for name, ts in times.items():
+                        row[name]["median_ms"] = 1e3 * statistics.median(ts)
+                    kv_mb = 2 * L * nkv * C * hd * 4 / 1e6  # what the kernel reads; SDPA reads all S slots
+                    for name in row:
+                        row[name]["GB_per_s"] = kv_mb / row[name]["median_ms"]
+                    res[f"{S}@{C}"] = row
+                    for name, d in row.items():
+                        print(f"[kernels] S={S} cached {C} {name:15s} {d['median_ms']:6.3f} ms  {d['GB_per_s']:5.1f} GB/s "
+                              f"of the cached K/V (first call {d['first_call_s']:.1f} s, max |diff| "
+                              f"{d['max_abs_diff']:.1e})", flush=True)
             out["kernels"] = res
 
         if "steps" in args.sections:
@@ -213,14 +290,24 @@ def main() -> None:
             for name in variants:
                 runner_mod._COMPILED.pop(model, None)  # a compiled step (its own graphs) per form
                 for C in args.contexts:
-                    r = runner_mod.verifier_runner(model, C + 8, compile=True, role=f"{name}-{C}")
+                    cap = (max(args.contexts) if args.capacity == "shared" else C) + 8
+                    r = runner_mod.verifier_runner(model, cap, compile=True, role=f"{name}-{C}")
                     use = name.startswith("kernel")
                     r.cache.cpu_kernel = use  # the engine's default where the kernel builds
                     assert r.cache.cpu_kernel == use, "the kernel did not build"
                     if name == "kernel-thp":
                         bufs = huge_page_buffers([t for pair in zip(r.cache.keys, r.cache.values) for t in pair])
                         r.cache.keys, r.cache.values = bufs[0::2], bufs[1::2]
-                    if name not in ("kernel", "kernel-thp", "sdpa-gqa"):
+                    if name == "kernel-baseline":  # its static path with the baseline build's op
+                        def attend(cache, i, q, k, v, pos, scale):
+                            if not cache.static:
+                                return kv.KVCache.attend(cache, i, q, k, v, pos, scale)
+                            cache._write_slots(i, k, v, pos)
+                            return getattr(torch.ops, BASELINE_NS).decode_attention(
+                                q, cache.keys[i], cache.values[i], pos, cache.windows[i] or 0, scale,
+                                cpu_attention.CHUNK)
+                        r.cache.attend = attend.__get__(r.cache)
+                    elif name not in ("kernel", "kernel-thp", "sdpa-gqa"):
                         r.cache.attend = attend_with(all_forms[name]).__get__(r.cache)
                     compile_s[f"{name}@{C}"] = r.step.warmup(r.cache, r.aux, (1,))
                     r.forward(torch.randint(2, V, (C,), generator=g), 1)
@@ -245,7 +332,7 @@ def main() -> None:
                             "compile_s": compile_s,
                             "capacity": {str(C): runners[(variants[0], C)].cache.capacity for C in args.contexts}}
             for name in variants:
-                print(f"[steps] {name:9s} " + "  ".join(f"{C}: {ms:.2f} ms" for C, ms in med[name].items())
+                print(f"[steps] {name:15s} " + "  ".join(f"{C}: {ms:.2f} ms" for C, ms in med[name].items())
                       + f"  {hi}/{lo} = {med[name][hi] / med[name][lo]:.3f}", flush=True)
     out["loadavg_end"] = os.getloadavg()[0]
     if args.out:

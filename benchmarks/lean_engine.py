@@ -9,7 +9,9 @@ what it compares (the order rotates), on one verifier (SmolLM2-135M float32 by d
    compiled lean loop with ``--compile``. Per-prompt paired ratios; identical outputs.
    Target: ours / generate >= 1.25, every output identical.
 2. ``context``: a one-token verifier step at C cached tokens for C in ``--contexts``,
-   lean vs hf-dynamic (the curve). Target: lean step at 1024 within 10% of the one at 128.
+   lean vs hf-dynamic (the curve); with ``--compile`` the compiled step with each context's cache
+   sized to it and sized to the largest context (``--context-capacity``). Target: lean step at
+   1024 within 10% of the one at 128.
 3. ``draft``: one cached EAGLE-3 draft step (random weights; draft vocab ``--draft-vocab``)
    against a verifier one-token step at the same context, and its share of the weights a
    verifier step reads (the floor a GEMV-bound step can reach). On CPU also the draft with
@@ -202,16 +204,22 @@ def section_context(args, model, out: dict) -> None:
     device = next(model.parameters()).device
     V = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    paths = ["lean", "hf-dynamic"] + (["lean-compiled"] if args.compile else [])
+    paths = ["lean", "hf-dynamic"]
+    if args.compile:
+        paths += [p for p, mode in (("lean-compiled", "per-point"), ("lean-compiled-shared", "shared"))
+                  if mode in args.context_capacity]
     times: dict[tuple[str, int], list[float]] = {}
     with torch.inference_mode():
         runners = {}
         for C in args.contexts:
             ctx = torch.randint(2, V, (C,), generator=g).to(device)
             for p in paths:
-                compiled = p == "lean-compiled"
-                r = verifier_runner(model, C + 8, compile=compiled, mode="auto" if p.startswith("lean") else p,
-                                    warmup_shapes=(1,), role=f"context-{C}")
+                compiled = p.startswith("lean-compiled")
+                # per-point: each context its own cache, sized to it (its capacity bucket, hence its own graph);
+                # shared: every context's cache sized to the largest, as one request growing to it sees
+                capacity = (max(args.contexts) if p.endswith("-shared") else C) + 8
+                r = verifier_runner(model, capacity, compile=compiled, mode="auto" if p.startswith("lean") else p,
+                                    warmup_shapes=(1,), role=f"context-{p}-{C}")
                 r.forward(ctx, 1)
                 runners[(p, C)] = r
                 times[(p, C)] = []
@@ -231,7 +239,10 @@ def section_context(args, model, out: dict) -> None:
     med = {f"{p}@{C}": 1e3 * statistics.median(v) for (p, C), v in times.items()}
     curve = {p: {C: med[f"{p}@{C}"] for C in args.contexts} for p in paths}
     ratio = {p: (curve[p][1024] / curve[p][128] if 1024 in curve[p] and 128 in curve[p] else None) for p in paths}
+    slots = {p: {C: runners[(p, C)].cache.capacity for C in args.contexts} for p in paths if p.startswith("lean")}
     out["context"] = {"median_ms": curve, "step_1024_over_128": ratio, "repeats": args.step_repeats,
+                      "cache_slots": slots,
+                      "within_10pct": {p: r is not None and r <= 1.10 for p, r in ratio.items()},
                       "target_within_10pct": ratio.get("lean") is not None and ratio["lean"] <= 1.10}
 
 
@@ -523,6 +534,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2, help="timed passes over the prompts (section plain)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
+    ap.add_argument("--context-capacity", nargs="+", choices=["per-point", "shared"], default=["per-point", "shared"],
+                    help="compiled rows of the context section: each context's cache sized to it (per-point: its "
+                         "own capacity bucket and graph) and/or every cache sized to the largest context (shared: "
+                         "one graph, as one request growing to it sees); the CPU kernel reads only the cached "
+                         "slots, while CUDA's SDPA reads all of them")
     ap.add_argument("--step-repeats", type=int, default=60, help="timed steps per point (context, draft)")
     ap.add_argument("--draft-context", type=int, default=128, help="cached positions in the draft section")
     ap.add_argument("--draft-vocab", type=int, nargs="+", default=[8192, 32000])
@@ -605,7 +621,7 @@ def report(out: dict) -> None:
         c = out["context"]
         for p, curve in c["median_ms"].items():
             ratio = c["step_1024_over_128"][p]
-            print(f"[context] {p:14s} " + "  ".join(f"{C}: {ms:.1f} ms" for C, ms in curve.items())
+            print(f"[context] {p:20s} " + "  ".join(f"{C}: {ms:.1f} ms" for C, ms in curve.items())
                   + (f"   1024/128 = {ratio:.3f}" if ratio is not None else ""))
     if "draft" in out:
         d = out["draft"]

@@ -441,6 +441,15 @@ def test_compiled_calls_skip_guards_only_on_a_signature_that_passed_them(monkeyp
     with torch.no_grad():
         sigs.add(call_signature((x,)))
     assert len(sigs) == 6
+    # lists of tensors element by element (a list argument once made the signature unhashable);
+    # a value it cannot key by gives None: every guard is checked for that call
+    ls = call_signature(([x, x],))
+    assert hash(ls) is not None and ls == call_signature(([x, x.clone()],)) != call_signature(([x, x.t()],))
+    assert call_signature((x, object())) is None and call_signature((x, {"a": 1})) is None
+    fn2 = CompiledFn(lambda xs, n: xs[0] * n, torch.device("cpu"))
+    with torch.inference_mode():
+        assert torch.equal(fn2([a, b], 2), a * 2) and torch.equal(fn2([a, b], 2), a * 2)
+    assert len(fn2.trusted) == (1 if mode == "auto" else 0)
 
 
 @pytest.mark.slow
