@@ -72,6 +72,7 @@ def build_baseline(source: Path):
     built as the engine builds its own but registered as ``draftsmith_baseline::decode_attention``, so both
     run in one process: form ``kernel-baseline``."""
     import hashlib
+    import tempfile
 
     from torch.utils import cpp_extension
 
@@ -86,9 +87,8 @@ def build_baseline(source: Path):
         "TORCH_LIBRARY_IMPL(draftsmith,", f"TORCH_LIBRARY_IMPL({BASELINE_NS},")
     flags = ["-O3", "-fopenmp", "-DNDEBUG"] + cpu_attention._ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
     digest = hashlib.sha256(text.encode() + " ".join(flags).encode()).hexdigest()[:12]
-    build_dir = Path(cpp_extension._get_build_directory(f"draftsmith_baseline_{digest}", False))
-    src = build_dir / "baseline.cpp"
-    if not src.exists() or src.read_text() != text:
+    src = Path(tempfile.gettempdir()) / f"draftsmith_baseline_{digest}.cpp"  # named by its content
+    if not src.exists():
         src.write_text(text)
     cpp_extension.load(name=f"draftsmith_baseline_{digest}", sources=[str(src)], extra_cflags=flags,
                        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
