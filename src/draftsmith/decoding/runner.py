@@ -238,27 +238,29 @@ def guard_skipping(cuda: bool) -> bool:
     return mode == "skip" or (mode == "auto" and not cuda)
 
 
+def _signature_of(a: Any) -> Any:
+    """One argument's part of :func:`call_signature`; TypeError for a value it cannot key by."""
+    if isinstance(a, torch.Tensor):
+        return (tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device, a.requires_grad)
+    if isinstance(a, KVCache):
+        k = a.keys[0]
+        return ("cache", id(a), a.capacity, len(a.keys), tuple(k.shape), k.dtype, k.device, a.static,
+                tuple(a.windows), a.cpu_kernel)
+    if isinstance(a, (list, tuple)):
+        return (type(a), tuple(_signature_of(x) for x in a))
+    if a is None or isinstance(a, (bool, int, float, str, torch.dtype, torch.device)):
+        return (type(a), a)
+    raise TypeError(type(a).__name__)
+
+
 def call_signature(args: tuple) -> tuple | None:
     """What selects a compiled graph for a call of a compiled step: each tensor's shape, strides,
     storage offset (dynamo guards views by it), dtype and device; each cache by identity and the
     shape, dtype and windows of its buffers; lists and tuples element by element; other values as
     they are (ints, floats, strings); and the autograd mode. Two calls of one signature run the same
     graph on whatever the tensors hold. None (check every guard) for a value it cannot key by."""
-    def sig(a: Any) -> Any:
-        if isinstance(a, torch.Tensor):
-            return (tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device, a.requires_grad)
-        if isinstance(a, KVCache):
-            k = a.keys[0]
-            return ("cache", id(a), a.capacity, len(a.keys), tuple(k.shape), k.dtype, k.device, a.static,
-                    tuple(a.windows), a.cpu_kernel)
-        if isinstance(a, (list, tuple)):
-            return (type(a), tuple(sig(x) for x in a))
-        if a is None or isinstance(a, (bool, int, float, str, torch.dtype, torch.device)):
-            return (type(a), a)
-        raise TypeError(type(a).__name__)
-
     try:
-        return tuple([torch.is_grad_enabled(), torch.is_inference_mode_enabled()] + [sig(a) for a in args])
+        return (torch.is_grad_enabled(), torch.is_inference_mode_enabled()) + tuple(_signature_of(a) for a in args)
     except TypeError:
         return None
 
