@@ -5,6 +5,8 @@ engine's first tier (frozen weights, inductor's C++ GEMM template), 1.06x / 1.16
 without freezing (ATen's GEMMs, i.e. MKL). This measures that, side by side in one process: for
 each tier a compiled lean step with graphs per token count (``--static-counts``, default) or one
 graph dynamic in it, torch.profiler's total self time per step at ``--context`` cached tokens.
+The ``engine`` form is the engine as it is since 9r: its tiers for one token, and for each verify
+length the candidate it timed faster (``runner._CompiledStep._choose``); it prints its choice.
 
     PYTHONPATH=src python benchmarks/verify_tiers.py --threads 2 --out benchmarks/results/verify-tiers.json
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -23,6 +26,7 @@ TIERS = {
     "cpp-aten": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"},
     "frozen": {"freezing": True},
     "aten": {"freezing": False},
+    "engine": None,  # the engine as it is: its tiers for one token, verify lengths timed per candidate
 }
 
 
@@ -30,7 +34,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--verifier", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--tiers", nargs="+", choices=list(TIERS), default=["cpp", "aten"])
+    ap.add_argument("--tiers", nargs="+", choices=list(TIERS), default=["cpp", "aten", "engine"])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--context", type=int, default=117)
     ap.add_argument("--steps", type=int, default=10, help="profiled steps per point")
@@ -55,12 +59,18 @@ def main() -> None:
                  "static_counts": args.static_counts, "total_ms": {}}
     with torch.inference_mode():
         for name in args.tiers:
-            runner_mod.CPU_COMPILE_TIERS = (TIERS[name],) + first_tiers
+            engine = TIERS[name] is None
+            runner_mod.CPU_COMPILE_TIERS = first_tiers if engine else (TIERS[name],) + first_tiers
+            # a tier compiles every step (no per-length choice); "engine" chooses as the engine does
+            os.environ["DRAFTSMITH_VERIFY_TIER"] = "auto" if engine else "template"
             runner_mod._COMPILED.pop(model, None)  # a compiled step of its own per tier
             r = runner_mod.verifier_runner(model, args.context + 16, compile=True, warmup_shapes=tuple(args.tokens),
                                            role=f"tier-{name}")
-            if r.step.fn.options != TIERS[name]:
+            if not engine and r.step.fn.options != TIERS[name]:
                 sys.exit(f"tier {name} did not compile (fell back to {r.step.fn.options})")
+            if engine:
+                out.setdefault("engine_choice", {}).update(r.verify_tiers)
+                print("[engine  ] chose: " + ", ".join(f"{m} tok {c['tier']}" for m, c in r.verify_tiers.items()))
             r.forward(torch.randint(2, V, (args.context,), generator=g), 1)
             row = {}
             for m in args.tokens:
@@ -77,6 +87,7 @@ def main() -> None:
             print(f"[{name:8s}] " + "  ".join(f"{m} tok: {ms:.2f} ms ({ms / row[args.tokens[0]]:.2f}x)"
                                              for m, ms in row.items()), flush=True)
     runner_mod.CPU_COMPILE_TIERS = first_tiers
+    os.environ.pop("DRAFTSMITH_VERIFY_TIER", None)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=1))

@@ -469,6 +469,87 @@ def test_a_trusted_signature_that_needs_another_graph_falls_back_to_full_guards(
     assert fn.distrusted == {("one",)} and not fn.trusted
 
 
+class _Slowed:
+    """A compiled step made slower by ``seconds`` per call (a candidate the choice must not pick)."""
+
+    def __init__(self, fn, seconds):
+        self.fn, self.seconds, self.calls = fn, seconds, 0
+
+    def __call__(self, *args):
+        import time
+
+        self.calls += 1
+        time.sleep(self.seconds)
+        return self.fn(*args)
+
+
+@pytest.mark.parametrize("slow", ["aten", "template"])
+def test_compiled_verify_runs_the_candidate_timed_faster_per_length(monkeypatch, slow):
+    """On the CPU each verify length first seen times the candidates (the C++ template, ATen) on the
+    call itself and runs the faster; the time is compile time. A candidate slowed by 200 ms is never
+    chosen, and the cache then holds what the chosen one wrote: the next tokens' logits are bitwise
+    those of a step compiled with only the chosen candidate (DRAFTSMITH_VERIFY_TIER)."""
+    from draftsmith.decoding import runner as runner_mod
+
+    monkeypatch.setenv("DRAFTSMITH_VERIFY_TIER", "auto")
+    model = tiny_model("llama", layers=2)
+    prompt, draft, nxt = _ids(9, 1), _ids(3, 2), _ids(1, 3)
+    fast = "template" if slow == "aten" else "aten"
+    runner_mod._COMPILED.pop(model, None)  # a step of its own (a tiny model may be shared with other tests)
+    with torch.inference_mode():
+        r = verifier_runner(model, 64, compile=True, warmup_shapes=(1,))
+        step = runner_mod._COMPILED[model]
+        assert list(step.verify) == ["template", "aten"] and step.verify["template"] is step.fn
+        step.verify[slow] = _Slowed(step.verify[slow], 0.2)
+        before = r.compile_seconds
+        r.forward(prompt, 1)
+        r.forward(nxt, 1)  # a one-token step: no choice
+        assert r.verify_tiers == {}
+        r.forward(draft, 3)
+        tiers = r.verify_tiers
+        assert set(tiers) == {"3"} and tiers["3"]["tier"] == fast
+        assert tiers["3"]["ms"][slow] > tiers["3"]["ms"][fast]
+        assert r.compile_seconds - before >= 0.2 * runner_mod.VERIFY_PROBE_PASSES  # the probe is compile time
+        calls = step.verify[slow].calls
+        r.forward(_ids(3, 4), 3)  # the length is chosen: only the faster one runs
+        assert step.verify[slow].calls == calls
+        got = r.forward(nxt, 1)[0]
+        # the reference: only the chosen candidate verifies
+        monkeypatch.setenv("DRAFTSMITH_VERIFY_TIER", fast)
+        runner_mod._COMPILED.pop(model)
+        ref = verifier_runner(model, 64, compile=True, warmup_shapes=(1,))
+        assert list(runner_mod._COMPILED[model].verify) == [fast]
+        ref.forward(prompt, 1)
+        ref.forward(nxt, 1)
+        ref.forward(draft, 3)
+        ref.forward(_ids(3, 4), 3)
+        assert torch.equal(got, ref.forward(nxt, 1)[0])
+        assert ref.verify_tiers == {}  # one candidate: nothing to time
+        eager = verifier_runner(model, 64)
+        eager.forward(prompt, 1)
+        eager.forward(nxt, 1)
+        eager.forward(draft, 3)
+        eager.forward(_ids(3, 4), 3)
+        torch.testing.assert_close(got, eager.forward(nxt, 1)[0], rtol=1e-4, atol=1e-4)
+    runner_mod._COMPILED.pop(model)
+
+
+def test_verify_pick_and_its_setting(monkeypatch):
+    """pick_verify: the first candidate unless another is more than the tie faster; the setting is checked."""
+    from draftsmith.decoding.runner import VERIFY_TIE, pick_verify, verify_candidates
+
+    assert pick_verify({"template": 30.0, "aten": 26.0}) == "aten"
+    assert pick_verify({"template": 30.0, "aten": 30.0 * (1 - VERIFY_TIE / 2)}) == "template"  # within the tie
+    assert pick_verify({"template": 25.0, "aten": 30.0}) == "template"
+    monkeypatch.setenv("DRAFTSMITH_VERIFY_TIER", "auto")
+    assert list(verify_candidates(False)) == ["template", "aten"] and list(verify_candidates(True)) == ["template"]
+    monkeypatch.setenv("DRAFTSMITH_VERIFY_TIER", "template")
+    assert verify_candidates(False) == {"template": None}
+    monkeypatch.setenv("DRAFTSMITH_VERIFY_TIER", "mkl")
+    with pytest.raises(DraftsmithError, match="DRAFTSMITH_VERIFY_TIER"):
+        verify_candidates(False)
+
+
 def test_compile_guards_setting_is_checked(monkeypatch):
     from draftsmith.decoding.runner import guard_skipping
 

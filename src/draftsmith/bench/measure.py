@@ -333,8 +333,10 @@ def measure_verify_costs(model: torch.nn.Module, context: Sequence[int], ns: Seq
     probe = ctx[-max(ns):] if ctx.shape[0] >= max(ns) else ctx.repeat(max(ns) // ctx.shape[0] + 1)[:max(ns)]
     times: dict[int, list[float]] = {n: [] for n in ns}
     with torch.inference_mode():
-        # the engine's path and cache (compiled: one graph for one token, one for every longer step)
-        runner = verifier_runner(model, ctx.shape[0] + max(ns), compile=compile, warmup_shapes=(1, 2))
+        # the engine's path and cache (compiled: one graph for one token, one for every longer step,
+        # and on the CPU the verify candidates chosen per length, in the warm-up)
+        runner = verifier_runner(model, ctx.shape[0] + max(ns), compile=compile,
+                                 warmup_shapes=tuple(sorted({1, *ns})))
         runner.forward(ctx, 1)
         for rep in range(warmup + repeats):
             for n in ns:

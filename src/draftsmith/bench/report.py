@@ -90,6 +90,9 @@ def _row_report(state: BenchState, r: int, cfg: BenchConfig) -> dict[str, Any] |
         "compile_seconds": state.warmup_compile_seconds.get(r, 0.0)
         + sum(float((x.stats or {}).get("compile_seconds", 0.0)) for x in runs),
         "engine_path": sorted({str(x.stats["engine"]) for x in runs if x.stats and "engine" in x.stats}),
+        # compiled CPU steps: which candidate verified each length, and their timings (runner._CompiledStep._choose)
+        "verify_tiers": next((x.stats["verify_tiers"] for x in reversed(runs)
+                              if x.stats and x.stats.get("verify_tiers")), {}),
         "per_prompt": [{"prompt": state.prompts[p][0], "prompt_tokens": len(state.prompts[p][1]),
                         "new_tokens": len(state.results[(r, p)][0].token_ids),
                         "seconds": [x.seconds for x in state.results[(r, p)]]} for p in done],
@@ -217,6 +220,21 @@ def _layout_choice(choice: dict[str, Any] | None) -> dict[str, Any] | None:
     if choice is None:
         return None
     return {**choice, "t_seconds": {lay: {str(n): s for n, s in t.items()} for lay, t in choice["t_seconds"].items()}}
+
+
+def verify_words(rows: list[dict[str, Any]]) -> str | None:
+    """One line on the compiled verify steps' GEMM path per length, as timed on this machine (the
+    rows' choices merged: one model's steps are shared by its rows)."""
+    seen: dict[int, dict[str, Any]] = {}
+    for r in rows:
+        for m, c in (r.get("verify_tiers") or {}).items():
+            seen.setdefault(int(m), c)
+    timed = {m: c for m, c in seen.items() if len(c.get("ms", {})) > 1}
+    if not timed:
+        return None
+    parts = [f"{m} tokens: {c['tier']} (" + ", ".join(f"{n} {v:.1f} ms" for n, v in c["ms"].items()) + ")"
+             for m, c in sorted(timed.items())]
+    return "Compiled verify steps, the faster GEMM path per length as timed here: " + "; ".join(parts) + "."
 
 
 def layout_words(choice: dict[str, Any] | None) -> str | None:
@@ -395,6 +413,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     layout = layout_words(report.get("weight_layout_choice"))
     if layout:
         lines += ["", layout]
+    verify = verify_words(report["rows"])
+    if verify:
+        lines += ["", verify]
     costs = report["costs"]
     if costs:
         tv = costs["t_verify_seconds"]

@@ -117,7 +117,7 @@ def generate(model: torch.nn.Module, input_ids: Any, proposer: Proposer | None =
     drafts = draft_tokens = forwards = 0
     with torch.inference_mode():
         runner = verifier_runner(model, capacity, compile=compile, mode=engine, aux_layer_ids=aux,
-                                 warmup_shapes=(1, 2) if proposer is not None else (1,))
+                                 warmup_shapes=(1, *range(2, num_draft_tokens + 2)) if proposer is not None else (1,))
         try:
             t0 = time.perf_counter()
             logits, hidden = runner.forward(prompt, 1, aux)
@@ -186,5 +186,6 @@ def generate(model: torch.nn.Module, input_ids: Any, proposer: Proposer | None =
         "tokens_per_second": len(out) / seconds if seconds > 0 else float("inf"),
         "engine": runner.kind + ("+compiled" if runner.compiled else ""),
         "compile_seconds": runner.compile_seconds + float(getattr(proposer, "compile_seconds", 0.0)),
+        "verify_tiers": getattr(runner, "verify_tiers", {}),
     }
     return GenerationOutput(out, stats)

@@ -23,6 +23,7 @@ import functools
 import itertools
 import logging
 import os
+import statistics
 import time
 import types
 import weakref
@@ -83,8 +84,13 @@ class _CompiledStep:
         self.held: tuple = ()  # (projections_held, weights_version) of the model when it was built
         self.cuda = decoder.device.type == "cuda"
         self.caches: dict[str, KVCache] = {}
-        self.warm: set[tuple] = set()  # (capacity, one-token?, aux) shapes already compiled
-        self.fn = CompiledFn(self._step, decoder.device)
+        self.warm: set[tuple] = set()  # (capacity, step length, aux) shapes already compiled (and chosen)
+        self.fn = CompiledFn(self._step, decoder.device)  # the one-token steps
+        # the verify steps' candidates (one graph each for every length > 1), and which one each length runs
+        self.verify = {name: self.fn if tiers is None else CompiledFn(self._step, decoder.device, tiers)
+                       for name, tiers in verify_candidates(self.cuda).items()}
+        self.verify_choice: dict[tuple, dict[str, Any]] = {}  # (length, aux) -> {"tier", "ms"}
+        self.choice_seconds = 0.0  # spent compiling and timing candidates (see _choose)
 
     def _step(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, aux: tuple[int, ...]):
         return self.decoder.forward(ids, pos, cache, None, aux)
@@ -100,20 +106,66 @@ class _CompiledStep:
         return cache
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, aux: tuple[int, ...]):
+        fn = self.fn
         if ids.shape[0] > 1:  # one graph for every verify length instead of one per k + 1
             torch._dynamo.mark_dynamic(ids, 0)
             torch._dynamo.mark_dynamic(pos, 0)
-        cache.static = True
-        try:
-            if self.cuda:
-                torch.compiler.cudagraph_mark_step_begin()
-            logits, hidden = self.fn(ids, pos, cache, aux)
-        finally:
-            cache.static = False
+            fn = self._verify_fn(ids, pos, cache, aux)
+        logits, hidden = self._run(fn, ids, pos, cache, aux)
         if self.cuda:  # a CUDA graph's outputs are overwritten by its next replay
             logits = logits.clone()
             hidden = hidden.clone() if hidden is not None else None
         return logits, hidden
+
+    def _run(self, fn: "CompiledFn", ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, aux: tuple[int, ...]):
+        cache.static = True
+        try:
+            if self.cuda:
+                torch.compiler.cudagraph_mark_step_begin()
+            return fn(ids, pos, cache, aux)
+        finally:
+            cache.static = False
+
+    def _verify_fn(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, aux: tuple[int, ...]) -> "CompiledFn":
+        if len(self.verify) == 1:
+            return next(iter(self.verify.values()))
+        key = (ids.shape[0], aux)
+        choice = self.verify_choice.get(key)
+        if choice is None:
+            choice = self.verify_choice[key] = self._choose(ids, pos, cache, aux)
+        return self.verify[choice["tier"]]
+
+    def _choose(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, aux: tuple[int, ...]) -> dict[str, Any]:
+        """Time each verify candidate on this call's arguments (its length, its cache) and pick one:
+        the first (the engine's tiers) unless another is more than :data:`VERIFY_TIE` faster.
+
+        The calls are repeats of the one about to run: each writes the same positions of the cache,
+        and the chosen candidate's call that follows writes them last. Compiling a candidate the
+        first time (a new graph) is part of the time spent here, all of it reported as compile time.
+        """
+        t0 = time.perf_counter()
+        for name in list(self.verify):  # the first call of a candidate may compile its graph: not timed
+            try:
+                self._run(self.verify[name], ids, pos, cache, aux)
+            except torch._dynamo.exc.BackendCompilerFailed as e:
+                if name == next(iter(self.verify)):
+                    raise
+                log.warning("the %s verify step does not compile here (%s); it is not a candidate", name,
+                            str(e).splitlines()[0][:200])
+                del self.verify[name]
+        names = list(self.verify)
+        seen: dict[str, list[float]] = {name: [] for name in names}
+        for p in range(VERIFY_PROBE_PASSES):
+            for name in names[p % len(names):] + names[:p % len(names)]:  # alternate, so drift hits all
+                t = time.perf_counter()
+                self._run(self.verify[name], ids, pos, cache, aux)
+                seen[name].append(time.perf_counter() - t)
+        ms = {name: 1e3 * statistics.median(v) for name, v in seen.items()}
+        tier = pick_verify(ms)
+        self.choice_seconds += time.perf_counter() - t0
+        log.info("compiled verify of %d tokens: %s (%s)", ids.shape[0], tier,
+                 ", ".join(f"{n} {v:.2f} ms" for n, v in ms.items()))
+        return {"tier": tier, "ms": ms}
 
     def warmup(self, cache: KVCache, aux: tuple[int, ...], shapes: tuple[int, ...]) -> float:
         """Compile (and on CUDA record) the step lengths in ``shapes``; returns the seconds it took."""
@@ -121,7 +173,7 @@ class _CompiledStep:
         did = False
         dev = cache.keys[0].device
         for m in shapes:
-            key = (cache.capacity, m == 1, aux)
+            key = (cache.capacity, m if m == 1 or len(self.verify) > 1 else "verify", aux)
             if key in self.warm:
                 continue
             for _ in range(3 if self.cuda else 1):  # CUDA graph trees warm up, then record
@@ -147,6 +199,42 @@ CPU_COMPILE_TIERS: tuple[dict[str, Any], ...] = (
     {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"},
     {},
 )
+
+
+#: The compiled verify step's other candidate on the CPU: the weights read as they are (not frozen),
+#: so its matmuls are ATen's ``mm``/``addmm`` (MKL). On an Intel Sapphire Rapids (float32, SmolLM2-135M)
+#: a verify of 3 tokens cost 26.4 ms this way against 31.5 ms with the C++ GEMM template, whose
+#: one-token step is the faster one (21.4 vs 23.4 ms), and of 4 tokens 38.2 against 34.3 ms
+#: (BENCHMARKS 9r); on an AMD EPYC the template is what made the compiled step fast (9j). So which
+#: one verifies is measured per length, on the machine (:meth:`_CompiledStep._choose`).
+CPU_VERIFY_ATEN: dict[str, Any] = {"freezing": False}
+#: A candidate must beat the first (the engine's tiers) by more than this fraction to verify instead
+VERIFY_TIE = 0.03
+#: Timed calls per candidate when a verify length is first seen
+VERIFY_PROBE_PASSES = 5
+
+
+def verify_candidates(cuda: bool) -> dict[str, tuple[dict[str, Any], ...] | None]:
+    """The compiled verify steps' candidates, by name, each the tiers its :class:`CompiledFn` tries
+    (None: the one-token steps' own, sharing their function). ``DRAFTSMITH_VERIFY_TIER``: ``auto``
+    (default: on the CPU, the C++ template and ATen, timed per verify length), ``template`` or
+    ``aten`` (only that one). CUDA steps have one path (CUDA graphs)."""
+    mode = os.environ.get("DRAFTSMITH_VERIFY_TIER", "auto").strip().lower()
+    if mode not in ("auto", "template", "aten"):
+        raise DraftsmithError(f"DRAFTSMITH_VERIFY_TIER={mode!r}: expected auto, template or aten")
+    if cuda or mode == "template":
+        return {"template": None}
+    if mode == "aten":
+        return {"aten": (CPU_VERIFY_ATEN,)}
+    return {"template": None, "aten": (CPU_VERIFY_ATEN,)}
+
+
+def pick_verify(ms: dict[str, float], tie: float = VERIFY_TIE) -> str:
+    """The candidate that verifies, from their times ``ms`` (in order, the engine's tiers first): the
+    fastest if it beats the first by more than ``tie``, else the first."""
+    first = next(iter(ms))
+    best = min(ms, key=ms.__getitem__)
+    return best if ms[best] < ms[first] * (1 - tie) else first
 
 
 _SERIAL = itertools.count()
@@ -177,14 +265,16 @@ class CompiledFn:
     it was compiled. Whoever holds one rebuilds it when the weights change (:func:`weights_version`).
     """
 
-    def __init__(self, fn: Callable, device: torch.device) -> None:
+    def __init__(self, fn: Callable, device: torch.device,
+                 tiers: tuple[dict[str, Any], ...] | None = None) -> None:
         self.raw, self.cuda = _own_code(fn), torch.device(device).type == "cuda"
+        self.tiers = CPU_COMPILE_TIERS if tiers is None else tiers
         self.tier = 0
         self.skip_guards = guard_skipping(self.cuda)
         self._build()
 
     def _build(self) -> None:
-        self.options = {} if self.cuda else CPU_COMPILE_TIERS[self.tier]
+        self.options = {} if self.cuda else self.tiers[self.tier]
         self.fn = torch.compile(self.raw, mode="reduce-overhead" if self.cuda else None)
         self.trusted: set[tuple] = set()  # call signatures whose guards passed in a full check (see __call__)
         self.distrusted: set[tuple] = set()  # trusted ones that still needed a recompile: always checked in full
@@ -214,10 +304,10 @@ class CompiledFn:
                     self.trusted.add(sig)
                 return out
             except torch._dynamo.exc.BackendCompilerFailed as e:
-                if self.cuda or self.tier + 1 >= len(CPU_COMPILE_TIERS):
+                if self.cuda or self.tier + 1 >= len(self.tiers):
                     raise
                 log.warning("compiling with %s failed (%s); trying %s", self.options or "defaults",
-                            str(e).splitlines()[0][:200], CPU_COMPILE_TIERS[self.tier + 1] or "inductor's defaults")
+                            str(e).splitlines()[0][:200], self.tiers[self.tier + 1] or "inductor's defaults")
                 self.tier += 1
                 self._build()
 
@@ -322,7 +412,22 @@ class LeanRunner(VerifierRunner):
             step.held = held
         self.step, self.decoder = step, step.decoder
         self.cache = step.cache(role, capacity)
-        self.compile_seconds = step.warmup(self.cache, self.aux, warmup_shapes)
+        self._warm_seconds = step.warmup(self.cache, self.aux, warmup_shapes)
+        self._chosen_before = step.choice_seconds  # choices made later (a verify length first seen) add to it
+
+    @property
+    def compile_seconds(self) -> float:  # type: ignore[override]
+        """Warm-up compiles, and any verify candidates compiled and timed since (:meth:`_CompiledStep._choose`)."""
+        if not self.compiled:
+            return 0.0
+        return self._warm_seconds + self.step.choice_seconds - self._chosen_before
+
+    @property
+    def verify_tiers(self) -> dict[str, Any]:
+        """Compiled: which candidate verifies each length so far, with their timings (ms), by length."""
+        if not self.compiled:
+            return {}
+        return {str(m): dict(c) for (m, aux), c in sorted(self.step.verify_choice.items()) if aux == self.aux}
 
     @property
     def length(self) -> int:  # type: ignore[override]
