@@ -44,10 +44,12 @@ KEPT_SAMPLE = 256  # prompts tokenized to measure the share regeneration keeps
 #: predicted minutes are multiplied by this before they are compared with the budget (a
 #: plan that fits exactly on a quiet machine overruns on a busy one)
 SAFETY = 1.1
-#: one-off compile time the bench reserves with ``bench.compile``: the verifier's graphs and each
-#: draft's (measured on SPR: 117 s for SmolLM2-135M and two drafts; the verifier alone 64.5 s)
-COMPILE_VERIFIER_SECONDS = 90.0
-COMPILE_DRAFT_SECONDS = 30.0
+#: one-off compile time the bench reserves with ``bench.compile``: the verifier's graphs (the one-token
+#: step and both verify candidates, each verify length timed once) and each draft's. Measured for
+#: SmolLM2-135M and one draft at two precisions: 233 s on the SPR and 299 s on the EPYC with one verify
+#: candidate, 326.5 s on the EPYC with two (BENCHMARKS.md 9q, 9n, 9s), where 90 + 2 x 30 s were reserved
+COMPILE_VERIFIER_SECONDS = 240.0
+COMPILE_DRAFT_SECONDS = 45.0
 #: reply lengths of the regeneration calibration (tokens): fixed cost and cost per decode step
 SHORT_REPLY, LONG_REPLY = 2, 18
 #: training steps the calibration times, and how many of them are warm-up (not counted)
