@@ -76,7 +76,7 @@ def build_baseline(source: Path):
 
     from torch.utils import cpp_extension
 
-    from draftsmith.models import cpu_attention
+    from draftsmith.models import cpp_ops, cpu_attention
 
     cpu_attention.available()  # puts the ninja wheel's binary on PATH
     text = source.read_text()
@@ -85,7 +85,7 @@ def build_baseline(source: Path):
             sys.exit(f"{source}: no {a!r}; not a version of models/cpu_attention.cpp")
     text = text.replace("TORCH_LIBRARY_FRAGMENT(draftsmith,", f"TORCH_LIBRARY({BASELINE_NS},").replace(
         "TORCH_LIBRARY_IMPL(draftsmith,", f"TORCH_LIBRARY_IMPL({BASELINE_NS},")
-    flags = ["-O3", "-fopenmp", "-DNDEBUG"] + cpu_attention._ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
+    flags = cpp_ops.flags()
     digest = hashlib.sha256(text.encode() + " ".join(flags).encode()).hexdigest()[:12]
     src = Path(tempfile.gettempdir()) / f"draftsmith_baseline_{digest}.cpp"  # named by its content
     if not src.exists():

@@ -9,9 +9,7 @@ together, split into (KV head, chunk of slots) tasks over the threads and combin
 softmax maxima; float32 inside, K/V float32 or bfloat16 (``cpu_attention.cpp``).
 
 It is a ``torch.library`` custom op, so ``torch.compile`` calls it as one opaque kernel.
-The extension is built on first use with the C++ compiler ``--compile`` needs anyway
-(``torch.utils.cpp_extension``, ~30-60 s once; cached by torch under ``TORCH_EXTENSIONS_DIR``,
-keyed by this source and the CPU's vector ISA). Where it cannot be built, or with
+The extension is built on first use (:func:`draftsmith.models.cpp_ops.build`). Where it cannot be built, or with
 ``DRAFTSMITH_CPU_ATTENTION=0``, the static path keeps SDPA. Its outputs equal SDPA's to float32
 rounding (not bitwise: a compiled step is not bitwise the eager one anyway); the greedy
 identity tests cover the compiled steps that use it.
@@ -20,12 +18,13 @@ identity tests cover the compiled steps that use it.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 from pathlib import Path
 
 import torch
+
+from draftsmith.models import cpp_ops
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +32,6 @@ _SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 #: Slots per task: small enough that 2 threads share a one-query step's work, large enough that a
 #: task's softmax and combine cost little next to reading its K/V.
 CHUNK = 256
-
-#: C++ flags per ATen CPU capability (the vector ISA torch itself runs with here), not
-#: ``-march=native``: an extension cached on a shared home must not be run by an older CPU.
-_ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
-    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
-}
-
 
 _FAKE_REGISTERED = False
 
@@ -55,23 +46,7 @@ def _extension():
     if _disabled():
         return None
     try:
-        from torch.utils import cpp_extension
-
-        try:  # the ninja wheel's binary, for a venv that is not activated (cpp_extension runs `ninja`)
-            import ninja
-
-            if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
-                os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        except ImportError:
-            pass
-
-        isa = torch.backends.cpu.get_cpu_capability()
-        # -fopenmp: at::parallel_for is OpenMP in ATen's headers (serial without it); the extension
-        # then links libgomp.so.1, which resolves to the one torch has loaded.
-        flags = ["-O3", "-fopenmp", "-DNDEBUG"] + _ISA_FLAGS.get(isa, [])
-        digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
-        cpp_extension.load(name=f"draftsmith_cpu_attention_{digest}", sources=[str(_SOURCE)], extra_cflags=flags,
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        cpp_ops.build(_SOURCE, "draftsmith_cpu_attention")
         global _FAKE_REGISTERED
         if not _FAKE_REGISTERED:  # once per process: the op outlives a cache_clear of this function
             torch.library.register_fake("draftsmith::decode_attention")(_fake)

@@ -1,0 +1,200 @@
+"""A few-row float32 linear kernel against MKL and inductor's C++ GEMM template (BENCHMARKS.md 9t).
+
+On the SPR a compiled verify of 2 / 3 / 4 tokens costs more than a one-token step (9q, 9r), though
+its weight bytes are the same. ``few_row_linear.cpp`` is a kernel written to read each weight row
+once for all the rows of a verify (8 output rows per block, 2 rows of x per tile, prefetched
+streams; each output the same sum in the same order whatever the number of rows). Two sections,
+rows interleaved per repeat, medians:
+
+- ``gemm``: the 211 GEMMs of a SmolLM2-135M step (538 MB of float32 weights streamed from memory)
+  for 1..N rows: ``torch.mm`` (MKL) vs the kernel, and whether the kernel's rows are bitwise
+  independent of how many rows it is given.
+- ``steps``: the compiled lean step of SmolLM2-135M at ``--context`` cached tokens, wall time per
+  step, for the engine's C++ GEMM template tier, ATen (MKL, inductor without freezing) and the
+  kernel (inductor without freezing, every plain Linear through the kernel); and whether a verify
+  of 3 tokens gives bitwise the logits of 3 one-token steps.
+
+    PYTHONPATH=src python benchmarks/few_row_linear.py --threads 2 --out benchmarks/results/few-row-linear-spr.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("few_row_linear.cpp")
+H, INTER, KV, VOCAB, LAYERS = 576, 1536, 192, 49152, 30  # SmolLM2-135M
+_ROUTED = False
+
+
+def build() -> None:
+    from draftsmith.models import cpp_ops
+
+    cpp_ops.build(SOURCE, "draftsmith_bench_rows_linear")
+    torch.library.register_fake("draftsmith_bench::rows_linear")(
+        lambda x, w, b: x.new_empty((x.shape[0], w.shape[0])))
+
+
+def rows_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.draftsmith_bench.rows_linear(x, w, b)
+
+
+def gemm_section(rows: list[int], repeats: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    layers = [[torch.randn(n, k, generator=g) * 0.02 for n, k in
+               ((H, H), (KV, H), (KV, H), (H, H), (INTER, H), (INTER, H), (H, INTER))] for _ in range(LAYERS)]
+    head = torch.randn(VOCAB, H, generator=g) * 0.02
+    x = torch.randn(max(rows), H, generator=g)
+    full = rows_linear(x, head)
+    invariant = all(torch.equal(rows_linear(x[:m].contiguous(), head), full[:m]) for m in rows)
+    ref = (x.double() @ head.double().t()).float()
+    max_err = (full - ref).abs().max().item()
+
+    def step(fn, xm, xi):
+        for ws in layers:
+            for w in ws:
+                fn(xm if w.shape[1] == H else xi, w)
+        fn(xm, head)
+
+    fns = {"mkl": lambda a, w: torch.mm(a, w.t()), "kernel": lambda a, w: rows_linear(a, w)}
+    seen: dict = {}
+    names = list(fns)
+    for rep in range(repeats + 1):
+        for m in rows:
+            xm, xi = torch.randn(m, H, generator=g), torch.randn(m, INTER, generator=g)
+            for name in names[rep % 2:] + names[:rep % 2]:
+                t = time.perf_counter()
+                step(fns[name], xm, xi)
+                if rep:  # the first pass warms up
+                    seen.setdefault(name, {}).setdefault(m, []).append(1e3 * (time.perf_counter() - t))
+    ms = {name: {m: statistics.median(v) for m, v in per.items()} for name, per in seen.items()}
+    for name, per in ms.items():
+        print(f"[gemm {name:6s}] " + "  ".join(f"{m} rows {t:.2f} ms ({t / per[rows[0]]:.2f}x)" for m, t in per.items()),
+              flush=True)
+    print(f"[gemm] kernel rows bitwise independent of the row count: {invariant}; max |err| vs float64 {max_err:.2e}")
+    return {"ms": ms, "rows_bitwise_invariant": invariant, "max_abs_error_vs_float64": max_err}
+
+
+@contextlib.contextmanager
+def routed(on: bool):
+    global _ROUTED
+    before, _ROUTED = _ROUTED, on
+    try:
+        yield
+    finally:
+        _ROUTED = before
+
+
+def steps_section(verifier: str, tokens: list[int], context: int, repeats: int) -> dict:
+    import draftsmith.decoding.runner as runner_mod
+    import draftsmith.models.lean as lean
+    from draftsmith.models.verifier import load_verifier
+
+    plain = lean._linear_of
+
+    def linear(module, x):  # the lean decoder's Linear, through the kernel while routed
+        if _ROUTED and x.dtype == torch.float32:
+            return rows_linear(x, module.weight, module.bias)
+        return plain(module, x)
+
+    lean._linear_of = linear
+    tiers = {"template": runner_mod.CPU_COMPILE_TIERS[0], "aten": {"freezing": False},
+             "kernel": {"freezing": False}}
+    model, _, fp = load_verifier(verifier, dtype="float32", device="cpu")
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    first = runner_mod.CPU_COMPILE_TIERS
+    os.environ["DRAFTSMITH_VERIFY_TIER"] = "template"  # each tier compiles every step length itself
+    runners, compile_s = {}, {}
+    out: dict = {"verifier": f"{verifier} ({fp})", "context": context}
+    try:
+        with torch.inference_mode():
+            prompt = torch.randint(2, V, (context,), generator=g)
+            for name, tier in tiers.items():
+                runner_mod.CPU_COMPILE_TIERS = (tier,) + first
+                runner_mod._COMPILED.pop(model, None)  # a compiled step of its own per tier
+                t = time.perf_counter()
+                with routed(name == "kernel"):
+                    r = runner_mod.verifier_runner(model, context + 16, compile=True, warmup_shapes=tuple(tokens),
+                                                   role=f"tier-{name}")
+                    r.forward(prompt, 1)
+                compile_s[name] = time.perf_counter() - t
+                runners[name] = r
+            toks = {m: torch.randint(2, V, (m,), generator=g) for m in tokens}
+            print("[warm] every tier compiled; measuring", flush=True)
+            seen: dict = {}
+            names = list(tiers)
+            for rep in range(repeats + 2):
+                for m in tokens:
+                    for name in names[rep % len(names):] + names[:rep % len(names)]:
+                        r = runners[name]
+                        with routed(name == "kernel"):
+                            t = time.perf_counter()
+                            r.forward(toks[m], m)
+                            dt = time.perf_counter() - t
+                        r.rollback(context)
+                        if rep >= 2:
+                            seen.setdefault(name, {}).setdefault(m, []).append(1e3 * dt)
+            bitwise = {}
+            m = 3 if 3 in tokens else max(tokens)
+            for name, r in runners.items():
+                with routed(name == "kernel"):
+                    verify, _ = r.forward(toks[m], m)
+                    r.rollback(context)
+                    one = torch.cat([r.forward(toks[m][j:j + 1], 1)[0] for j in range(m)])
+                    r.rollback(context)
+                bitwise[name] = {"bitwise": torch.equal(verify, one), "max_abs_diff": (verify - one).abs().max().item()}
+    finally:
+        runner_mod.CPU_COMPILE_TIERS = first
+        lean._linear_of = plain
+        os.environ.pop("DRAFTSMITH_VERIFY_TIER", None)
+    ms = {name: {m: statistics.median(v) for m, v in per.items()} for name, per in seen.items()}
+    for name, per in ms.items():
+        print(f"[step {name:8s}] " + "  ".join(f"{m} tok {t:.2f} ms ({t / per[tokens[0]]:.2f}x)" for m, t in per.items())
+              + f"  | verify of {m} = {m} one-token steps bitwise: {bitwise[name]['bitwise']} "
+                f"(max diff {bitwise[name]['max_abs_diff']:.1e}); compile {compile_s[name]:.0f} s", flush=True)
+    out.update(ms=ms, verify_vs_one_token=bitwise, compile_seconds=compile_s)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sections", nargs="+", choices=["gemm", "steps"], default=["gemm", "steps"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--context", type=int, default=117)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--verifier", default="smollm2-135m")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    build()
+    out: dict = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
+                 "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            out["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    if "gemm" in args.sections:
+        out["gemm"] = gemm_section(args.rows, args.repeats)
+    if "steps" in args.sections:
+        out["steps"] = steps_section(args.verifier, args.tokens, args.context, args.repeats)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=1))
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
