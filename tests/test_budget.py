@@ -128,6 +128,19 @@ def test_fit_training_uses_the_time_left_and_is_stored(tmp_path):
         stored["epochs"], stored["target_minutes"], stored["max_minutes"])
 
 
+def test_regeneration_may_run_until_capture_training_and_the_bench_need_the_rest():
+    plan = B.make_plan(20, FAST, **KW)
+    p = plan.predicted_seconds
+    after = p["capture"] + p["train"] + p["bench"]
+    assert B.regeneration_seconds(plan, 100.0) == pytest.approx(1200 - 100 - after)
+    # at the plan's own pace it is never cut: the budget's safety margin is its slack
+    assert B.regeneration_seconds(plan, p["fixed"]) >= p["regenerate"] * B.SAFETY * 0.99
+    # a slow start leaves it less; a resumed run's earlier steps count in elapsed
+    assert B.regeneration_seconds(plan, p["fixed"] + 300) == pytest.approx(B.regeneration_seconds(plan, p["fixed"]) - 300)
+    # a top-up (sized on this run's measured rate) gets its price and TOPUP_SLACK
+    assert B.regeneration_seconds(plan, 900.0, "topup_regenerate", 80.0) == pytest.approx(80.0 * (1 + B.TOPUP_SLACK))
+
+
 def test_regeneration_costs_discount_the_first_calls_warm_up():
     """Batches cost 10 s + 0.5 s per decode step; the first call of a run pays 3 s of warm-up
     more, and the first call of each new reply length 0.2 s per step it has not seen before."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -420,6 +421,26 @@ def test_regenerate_resumes_to_an_identical_file(tok, tmp_path, monkeypatch, tem
     other = regen(m, tok, convs, tmp_path / "seed4.jsonl", temperature=temperature, seed=4)
     replies = [[json.loads(x)["messages"] for x in p.read_text().splitlines()] for p in (full, other)]
     assert (replies[0] == replies[1]) == (temperature == 0.0)
+
+
+def test_regenerate_stops_starting_chunks_at_its_deadline(tok, tmp_path):
+    """A budgeted run's deadline: no chunk starts after it (the first always runs), the finished
+    chunks are the file, and a run without one later resumes it to the uninterrupted file."""
+    m, convs = model(), prompts()
+    full = regen(m, tok, convs, tmp_path / "full.jsonl")
+    stops: list[tuple[int, int]] = []
+    cut = regen(m, tok, convs, tmp_path / "cut.jsonl", deadline=time.perf_counter(),
+                on_stop=lambda kept, left: stops.append((kept, left)))
+    lines = full.read_bytes().splitlines(keepends=True)
+    assert cut.read_bytes() == b"".join(lines[:4])  # one chunk of 4 prompts, the longest
+    assert stops == [(4, 3)]
+    regen(m, tok, convs, cut)
+    assert cut.read_bytes() == full.read_bytes()
+    # control: a deadline not reached stops nothing
+    again: list = []
+    late = regen(m, tok, convs, tmp_path / "late.jsonl", deadline=time.perf_counter() + 3600,
+                 on_stop=lambda kept, left: again.append((kept, left)))
+    assert late.read_bytes() == full.read_bytes() and again == []
 
 
 def test_regenerated_records(tok, tmp_path):

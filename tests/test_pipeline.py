@@ -310,6 +310,41 @@ def test_top_up_regenerates_the_next_prompts_and_captures_them_all(setup, tmp_pa
     assert r0["count"] == 6 and c0["sha"] != c["sha"]
 
 
+def test_data_steps_give_each_regeneration_its_deadline(setup, tmp_path):
+    """A budgeted run's deadline reaches the planned regeneration and the top-up's: past it no chunk
+    of prompts starts (the first always runs); what was answered is captured, and the cut is recorded."""
+    import time
+
+    from draftsmith.data.regenerate import CHUNK_BATCHES
+    from draftsmith.pipeline import steps
+    from draftsmith.pipeline.cache import StepCache
+    from draftsmith.pipeline.config import DataSection
+
+    root, verifier = setup
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps(p) + "\n" for p in _prompts(30)))
+    chunk = 3 * CHUNK_BATCHES
+    data = DataSection(dataset=str(src), num_conversations=chunk + 6, max_new_tokens=8, batch_size=3, max_length=96,
+                       dtype="float32", samples_per_shard=4)
+    vd = steps.Verifier(str(verifier), "float32", "cpu")
+
+    def run(name: str, deadline):
+        firsts, asked = [], []
+        cache = StepCache(tmp_path / name)
+        until = None if deadline is None else (lambda step: asked.append(step) or deadline())
+        p, r, c = steps.run_data_steps(cache, data, vd, vd.fingerprint, lambda r: firsts.append(r) or 4, until)
+        return firsts[0], r, c, asked
+
+    first, r, c, asked = run("cut", time.perf_counter)  # every deadline already past
+    assert asked == ["regenerate", "topup_regenerate"]
+    assert first["count"] == chunk and first["cut"] == {"kept": chunk, "left": 6}
+    assert r["count"] == chunk + 4  # the top-up's first chunk ran
+    assert json.loads((Path(c["dir"]) / "manifest.json").read_text())["total_tokens"] == c["tokens"] > 0
+    # control: no deadline, nothing cut
+    first, r, _, asked = run("whole", None)
+    assert asked == [] and "cut" not in first and first["count"] == chunk + 6 and r["count"] == chunk + 10
+
+
 class _Stop(Exception):
     pass
 

@@ -276,7 +276,8 @@ def regenerate_via_endpoint(url: str, model: torch.nn.Module, tokenizer: Any, co
                             out_path: Path, *, max_new_tokens: int = 256, temperature: float = 0.0,
                             top_p: float | None = None, batch_size: int = 8, max_prompt_tokens: int | None = None,
                             seed: int = 0, progress: bool = True, fingerprint: str | None = None,
-                            say: Callable[[str], None] = log.info) -> Path:
+                            say: Callable[[str], None] = log.info, deadline: float | None = None,
+                            on_stop: Callable[[int, int], None] | None = None) -> Path:
     """:func:`~draftsmith.data.regenerate.regenerate` with the replies written by the server at ``url``.
 
     Args:
@@ -297,4 +298,4 @@ def regenerate_via_endpoint(url: str, model: torch.nn.Module, tokenizer: Any, co
     return regenerate(model, tokenizer, conversations, out_path, max_new_tokens=max_new_tokens,
                       temperature=temperature, top_p=top_p, batch_size=batch_size,
                       max_prompt_tokens=max_prompt_tokens, seed=seed, progress=progress, fingerprint=fingerprint,
-                      source=EndpointSource(endpoint, batch_size))
+                      source=EndpointSource(endpoint, batch_size), deadline=deadline, on_stop=on_stop)

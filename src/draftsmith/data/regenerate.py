@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -82,7 +82,8 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
                max_new_tokens: int = 256, temperature: float = 0.0, top_p: float | None = None,
                batch_size: int = 8, max_prompt_tokens: int | None = None, seed: int = 0, progress: bool = True,
                fingerprint: str | None = None, source: ReplySource | None = None, engine: str = "auto",
-               chunk_batches: int = CHUNK_BATCHES) -> Path:
+               chunk_batches: int = CHUNK_BATCHES, deadline: float | None = None,
+               on_stop: Callable[[int, int], None] | None = None) -> Path:
     """Answer every prompt with the verifier and append the conversations to a JSONL file.
 
     Each line is ``{"id", "messages", "meta"}``: the conversation's prompt messages
@@ -130,6 +131,12 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
             (:mod:`draftsmith.data.endpoint`); None: the verifier in this process.
         engine: how the verifier in this process decodes a batch (``auto``, ``lean``,
             ``hf``: :func:`~draftsmith.data.generation.generate_batch`).
+        deadline: a ``time.perf_counter()`` value after which no further chunk is started
+            (a budgeted run's data time, :func:`draftsmith.pipeline.budget.regeneration_seconds`):
+            the chunks finished by then are the result, and the prompts left (the shortest: the
+            longest go first) are not answered. The first chunk always runs. None: no limit.
+        on_stop: called with (replies in the file, prompts left unanswered) when the deadline
+            stopped it.
 
     Returns:
         ``out_path``.
@@ -201,9 +208,15 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
                                           for p, s in work)
     else:
         answers = source.replies(work, params, max_new_tokens, eos)
+    answers = iter(answers)
+    stopped = 0
     try:
         with open(out_path, "ab") as f:
-            for batch, replies in zip(batches, answers, strict=True):
+            for n_chunk, batch in enumerate(batches):
+                if deadline is not None and n_chunk and time.perf_counter() >= deadline:
+                    stopped = sum(len(b) for b in batches[n_chunk:])
+                    break
+                replies = next(answers)
                 # in the order static batches wrote: batch by batch (longest first), input order in each
                 order_in = sorted(range(len(batch)), key=lambda i: (i // batch_size, batch[i][0]))
                 for (j, ids), (reply, reason) in ((batch[i], replies[i]) for i in order_in):
@@ -225,6 +238,11 @@ def regenerate(model: torch.nn.Module, tokenizer: Any, conversations: Iterable[C
     finally:
         bar.close()
         getattr(answers, "close", lambda: None)()  # a source stops its requests on an error or Ctrl-C
+    if stopped:
+        log.warning("regenerate: the data time is up: %d replies kept, %d prompts left unanswered", len(done),
+                    stopped)
+        if on_stop is not None:
+            on_stop(len(done), stopped)
     return out_path
 
 

@@ -44,6 +44,8 @@ KEPT_SAMPLE = 256  # prompts tokenized to measure the share regeneration keeps
 #: predicted minutes are multiplied by this before they are compared with the budget (a
 #: plan that fits exactly on a quiet machine overruns on a busy one)
 SAFETY = 1.1
+#: a top-up regeneration may take this much longer than its price before it stops starting chunks
+TOPUP_SLACK = 0.25
 #: one-off compile time the bench reserves with ``bench.compile``: the verifier's graphs (the one-token
 #: step and both verify candidates, each verify length timed once) and each draft's. Measured for
 #: SmolLM2-135M and one draft at two precisions: 233 s on the SPR and 299 s on the EPYC with one verify
@@ -535,6 +537,28 @@ def top_up(cfg: Any, plan: Plan, regenerated: Path, regen_seconds: float | None,
         raw["top_up"] = decision
         atomic_write_json(path, raw)
     return decision
+
+
+def regeneration_seconds(plan: Plan, elapsed: float, step: str = "regenerate",
+                         predicted: float | None = None) -> float:
+    """Seconds a regeneration starting now may run.
+
+    The plan prices regeneration from the calibration's first seconds; when the machine then slows
+    (another program, a shared host drifting 2x), an unbounded regeneration overruns and every
+    minute it takes comes out of training, which gets what is left (BENCHMARKS.md 9u: a 105-minute
+    run on the SPR, its host busy after the calibration, regenerated at a third of the planned rate
+    and was on course to leave training its 30-second floor). So
+    the planned regeneration may run until the budget (its safety margin included) holds only
+    capture's, training's and the bench's predicted time; a top-up (``step`` ``topup_regenerate``,
+    sized on this run's measured rate) gets its ``predicted`` seconds plus :data:`TOPUP_SLACK`.
+    The replies finished by then are the data. Resumed runs count their earlier steps in
+    ``elapsed`` (``StepCache.earlier_seconds``).
+    """
+    if step == "topup_regenerate" and predicted is not None:
+        return predicted * (1 + TOPUP_SLACK)
+    p = plan.predicted_seconds
+    after = p.get("capture", 0.0) + p.get("train", 0.0) + p.get("bench", 0.0)
+    return plan.budget_minutes * 60 - elapsed - after
 
 
 def fit_training(cfg: Any, plan: Plan, tokens: int, elapsed: float, out: Path) -> Any:

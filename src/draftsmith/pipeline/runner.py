@@ -110,7 +110,15 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
                           f"regenerating {decision['prompts']} more prompts")
             return decision["prompts"]
 
-    p, r, c = steps.run_data_steps(cache, cfg.data, vd, fp, top_up)
+    deadline = None
+    if plan is not None:
+        def deadline(step: str) -> float:
+            seconds = budget.regeneration_seconds(plan, spent(), step, cache.estimates.get(step))
+            steps.say(f"[{step}] no new chunk of prompts starts after {max(seconds, 0.0) / 60:.1f} min (capture, "
+                      "training and the bench keep their time)")
+            return time.perf_counter() + seconds
+
+    p, r, c = steps.run_data_steps(cache, cfg.data, vd, fp, top_up, deadline)
     if plan is not None:
         cfg = budget.fit_training(cfg, plan, c.get("tokens") or 0, spent(), out)
         cache.estimates["train"] = cfg.train.max_minutes * 60 / 1.15

@@ -124,14 +124,18 @@ def prompts(data: DataSection, work: Path, v: "Verifier | None" = None) -> dict[
     return {"path": str(path), "count": len(convs), "sha": file_digest(path), **extra}
 
 
-def regenerate(v: Verifier, prompts_path: Path, data: DataSection, work: Path) -> dict[str, Any]:
-    """The verifier's own replies to the prompts -> ``regenerated.jsonl`` (resumable)."""
+def regenerate(v: Verifier, prompts_path: Path, data: DataSection, work: Path,
+               deadline: float | None = None) -> dict[str, Any]:
+    """The verifier's own replies to the prompts -> ``regenerated.jsonl`` (resumable); with a ``deadline``
+    (``time.perf_counter()``, a budgeted run's) no chunk of prompts starts after it."""
     from draftsmith.data.regenerate import regenerate as _regenerate
     from draftsmith.data.sources import load_prompts
 
     convs = load_prompts(prompts_path, split="all", exclude_eval=False, dedupe=False)
+    cut: dict[str, int] = {}
     kwargs = dict(max_new_tokens=data.max_new_tokens, temperature=data.temperature, batch_size=data.batch_size,
-                  max_prompt_tokens=data.max_prompt_tokens, seed=data.seed, fingerprint=v.fingerprint)
+                  max_prompt_tokens=data.max_prompt_tokens, seed=data.seed, fingerprint=v.fingerprint,
+                  deadline=deadline, on_stop=lambda kept, left: cut.update(kept=kept, left=left))
     if data.endpoint:
         from draftsmith.data.endpoint import regenerate_via_endpoint
 
@@ -140,7 +144,12 @@ def regenerate(v: Verifier, prompts_path: Path, data: DataSection, work: Path) -
     else:
         path = _regenerate(v.model, v.tokenizer, convs, work / "regenerated.jsonl", **kwargs)
     lines = sum(1 for _ in open(path))
-    return {"path": str(path), "count": lines, "sha": file_digest(path)}
+    out = {"path": str(path), "count": lines, "sha": file_digest(path)}
+    if cut:  # the data time ran out: the budget's rest goes to capture, training and the bench
+        out["cut"] = cut
+        say(f"[regenerate] the data time is up: {cut['kept']} replies, {cut['left']} prompts left unanswered; the "
+            "rest of the budget goes to capture, training and the bench as planned")
+    return out
 
 
 def merge_regenerated(parts: list[dict[str, Any]], work: Path) -> dict[str, Any]:
@@ -172,7 +181,8 @@ def capture(v: Verifier, regenerated: Path, data: DataSection, work: Path) -> di
 
 
 def run_data_steps(cache: Any, data: DataSection, vd: Verifier, fp: str,
-                   top_up: Callable[[dict[str, Any]], int] | None = None) -> tuple[dict, dict, dict]:
+                   top_up: Callable[[dict[str, Any]], int] | None = None,
+                   deadline: Callable[[str], float | None] | None = None) -> tuple[dict, dict, dict]:
     """prompts -> regenerate -> capture through ``cache`` (a :class:`StepCache`); the one wiring of the
     data steps, shared by `draftsmith pipeline run` and `draftsmith data`.
 
@@ -184,14 +194,18 @@ def run_data_steps(cache: Any, data: DataSection, vd: Verifier, fp: str,
         top_up: called with the regeneration's result; the number of further prompts to
             regenerate (the next ones of the dataset, after those asked for) before capture
             (a budgeted run whose regeneration came in under plan, :func:`budget.top_up`).
+        deadline: called with the step's name (``regenerate``, ``topup_regenerate``) as a regeneration
+            starts; the ``time.perf_counter()`` after which it starts no further chunk of prompts (a
+            budgeted run's: :func:`budget.regeneration_seconds`), or None.
 
     Returns:
         The three steps' results (the prompts' count includes a top-up; the regeneration's
         result is then the merged file).
     """
     p = cache.run("prompts", prompts_key(data, vd), lambda w: prompts(data, w, vd))
+    until = deadline or (lambda step: None)
     r = cache.run("regenerate", {"fp": fp, "prompts": p["sha"], "data": regeneration_key(data)},
-                  lambda w: regenerate(vd, Path(p["path"]), data, w))
+                  lambda w: regenerate(vd, Path(p["path"]), data, w, until("regenerate")))
     extra = top_up(r) if top_up is not None else 0
     if extra:
         more = dataclasses.replace(data, skip_conversations=data.skip_conversations + data.num_conversations,
@@ -202,7 +216,7 @@ def run_data_steps(cache: Any, data: DataSection, vd: Verifier, fp: str,
             say(f"[topup] no further prompts ({e}); going on with {r['count']} conversations")
         else:
             r2 = cache.run("topup_regenerate", {"fp": fp, "prompts": p2["sha"], "data": regeneration_key(more)},
-                           lambda w: regenerate(vd, Path(p2["path"]), more, w))
+                           lambda w: regenerate(vd, Path(p2["path"]), more, w, until("topup_regenerate")))
             r = cache.run("topup_merge", {"parts": [r["sha"], r2["sha"]]}, lambda w: merge_regenerated([r, r2], w))
             p = {**p, "count": p["count"] + p2["count"]}
     c = cache.run("capture", {"fp": fp, "regenerated": r["sha"], **capture_key(data), "dtype": vd.dtype},
