@@ -337,12 +337,13 @@ def test_data_steps_give_each_regeneration_its_deadline(setup, tmp_path):
 
     first, r, c, asked = run("cut", time.perf_counter)  # every deadline already past
     assert asked == ["regenerate", "topup_regenerate"]
-    assert first["count"] == chunk and first["cut"] == {"kept": chunk, "left": 6}
-    assert r["count"] == chunk + 4  # the top-up's first chunk ran
+    assert first["count"] == chunk and first["cut"] == {"regenerate": {"kept": chunk, "left": 6}}
+    assert r["count"] == chunk + 4 and r["cut"] == first["cut"]  # the top-up's first chunk ran (all of it)
     assert json.loads((Path(c["dir"]) / "manifest.json").read_text())["total_tokens"] == c["tokens"] > 0
     # control: no deadline, nothing cut
     first, r, _, asked = run("whole", None)
-    assert asked == [] and "cut" not in first and first["count"] == chunk + 6 and r["count"] == chunk + 10
+    assert asked == [] and "cut" not in first and "cut" not in r
+    assert first["count"] == chunk + 6 and r["count"] == chunk + 10
 
 
 class _Stop(Exception):

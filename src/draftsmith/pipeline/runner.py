@@ -158,7 +158,8 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
     report.update({
         "steps": cache.timings, "seconds": time.perf_counter() - t0,
         "seconds_with_earlier_attempts": spent() if cache.count_earlier else None,
-        "data": {"prompts": p["count"], "regenerated": r["count"], "tokens": c.get("tokens")},
+        "data": {"prompts": p["count"], "regenerated": r["count"], "tokens": c.get("tokens"),
+                 "regeneration_cut": r.get("cut")},
         "train": {k: t[k] for k in ("steps", "best_val_acceptance_length", "train_seconds")},
         "bench": {"report": b["report"], "candidate": b["summary"], "previous": b.get("previous")},
         "gate": verdict, "candidate_draft": str(candidate_dir),

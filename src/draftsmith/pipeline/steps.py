@@ -200,12 +200,15 @@ def run_data_steps(cache: Any, data: DataSection, vd: Verifier, fp: str,
 
     Returns:
         The three steps' results (the prompts' count includes a top-up; the regeneration's
-        result is then the merged file).
+        result is then the merged file; ``cut``, where a deadline stopped a regeneration: its
+        ``{"kept", "left"}`` by step name).
     """
     p = cache.run("prompts", prompts_key(data, vd), lambda w: prompts(data, w, vd))
     until = deadline or (lambda step: None)
     r = cache.run("regenerate", {"fp": fp, "prompts": p["sha"], "data": regeneration_key(data)},
                   lambda w: regenerate(vd, Path(p["path"]), data, w, until("regenerate")))
+    if "cut" in r:
+        r = {**r, "cut": {"regenerate": r["cut"]}}
     extra = top_up(r) if top_up is not None else 0
     if extra:
         more = dataclasses.replace(data, skip_conversations=data.skip_conversations + data.num_conversations,
@@ -217,8 +220,11 @@ def run_data_steps(cache: Any, data: DataSection, vd: Verifier, fp: str,
         else:
             r2 = cache.run("topup_regenerate", {"fp": fp, "prompts": p2["sha"], "data": regeneration_key(more)},
                            lambda w: regenerate(vd, Path(p2["path"]), more, w, until("topup_regenerate")))
+            cut = {**r.get("cut", {}), **({"topup_regenerate": r2["cut"]} if "cut" in r2 else {})}
             r = cache.run("topup_merge", {"parts": [r["sha"], r2["sha"]]}, lambda w: merge_regenerated([r, r2], w))
             p = {**p, "count": p["count"] + p2["count"]}
+            if cut:
+                r = {**r, "cut": cut}
     c = cache.run("capture", {"fp": fp, "regenerated": r["sha"], **capture_key(data), "dtype": vd.dtype},
                   lambda w: capture(vd, Path(r["path"]), data, w))
     return p, r, c
