@@ -547,10 +547,12 @@ def regeneration_seconds(plan: Plan, elapsed: float, step: str = "regenerate",
     (another program, a shared host drifting 2x), an unbounded regeneration overruns and every
     minute it takes comes out of training, which gets what is left (BENCHMARKS.md 9u: a 105-minute
     run on the SPR, its host busy after the calibration, regenerated at a third of the planned rate
-    and was on course to leave training its 30-second floor). So
-    the planned regeneration may run until the budget (its safety margin included) holds only
-    capture's, training's and the bench's predicted time; a top-up (``step`` ``topup_regenerate``,
-    sized on this run's measured rate) gets its ``predicted`` seconds plus :data:`TOPUP_SLACK`.
+    and was on course to leave training its 30-second floor). So the planned regeneration may run
+    until the budget holds only capture's, training's and the bench's predicted time, counted as
+    :func:`fit_training` counts, the budget over :data:`SAFETY` (a regeneration allowed into the
+    safety margin ran 8.4 min over its price and training got 19.4 of its 25.2 planned minutes,
+    9u). A top-up (``step`` ``topup_regenerate``, sized on this run's measured rate) gets its
+    ``predicted`` seconds plus :data:`TOPUP_SLACK`.
     The replies finished by then are the data. Resumed runs count their earlier steps in
     ``elapsed`` (``StepCache.earlier_seconds``).
     """
@@ -558,7 +560,7 @@ def regeneration_seconds(plan: Plan, elapsed: float, step: str = "regenerate",
         return predicted * (1 + TOPUP_SLACK)
     p = plan.predicted_seconds
     after = p.get("capture", 0.0) + p.get("train", 0.0) + p.get("bench", 0.0)
-    return plan.budget_minutes * 60 - elapsed - after
+    return plan.budget_minutes * 60 / SAFETY - elapsed - after
 
 
 def fit_training(cfg: Any, plan: Plan, tokens: int, elapsed: float, out: Path) -> Any:
