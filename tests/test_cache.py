@@ -667,6 +667,40 @@ def test_a_cpu_compile_tier_that_fails_gives_way_to_the_next(monkeypatch, caplog
         runner.CompiledFn(lambda x: lin(x).sigmoid(), torch.device("cpu"))(x)
 
 
+def _int8_pair(seed):
+    from draftsmith.models.quantize import Int8WeightLinear
+
+    torch.manual_seed(seed)
+    a, b = torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(96, 64, bias=False)
+    return torch.nn.Sequential(Int8WeightLinear(a), torch.nn.ReLU(), Int8WeightLinear(b)).eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache_frozen", [False, True])
+def test_frozen_compiles_never_reuse_another_models_cached_weights(monkeypatch, tmp_path, cache_frozen):
+    """Two int8 modules of one shape, different weights, each compiled under the frozen C++ tier.
+    Inductor's FX graph cache keys a frozen graph by its weights' shapes only, and the int8
+    template's weights packed at compile time are stored in the cache entry: the second module
+    would multiply the first one's weights (an int8 draft accepting nothing; PyTorch 2.13).
+    CompiledFn compiles frozen tiers without that cache. The control (cache_frozen: the cache
+    left on) shows the test sees the stale weights."""
+    from draftsmith.decoding import runner
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(runner, "CPU_COMPILE_TIERS", (runner.CPU_COMPILE_TIERS[0],))
+    if cache_frozen:
+        monkeypatch.setattr(runner, "FROZEN_UNCACHED", {})
+    x = torch.randn(3, 64)
+    errors = []
+    with torch.inference_mode():
+        for seed in (0, 1):
+            m = _int8_pair(seed)
+            got = runner.CompiledFn(lambda t: m(t), torch.device("cpu"))(x)
+            errors.append(float((got - m(x)).abs().max() / m(x).abs().max()))
+    assert errors[0] < 0.02
+    assert (errors[1] > 0.2) if cache_frozen else (errors[1] < 0.02), errors
+
+
 # --- batched generation (regeneration's engine) -------------------------------------------------
 
 def _prompts(lengths=(5, 17, 9, 30, 12, 3), seed=0):

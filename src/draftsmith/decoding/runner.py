@@ -201,6 +201,15 @@ CPU_COMPILE_TIERS: tuple[dict[str, Any], ...] = (
 )
 
 
+#: Options added to every CPU tier that freezes: inductor's FX graph cache off. It keys a frozen
+#: graph by its weights' shapes, not their values, and the int8 GEMM template's weights, packed at
+#: compile time, are stored in the cache entry: a second model of the same shapes (another draft,
+#: or a draft retrained since), compiled on this machine in any later process, multiplied the
+#: first one's packed weights. A retrained int8 draft then accepted nothing (acceptance 1.000
+#: compiled, 1.31 eager; PyTorch 2.13, BENCHMARKS 9v); float32 graphs were never served from it.
+FROZEN_UNCACHED: dict[str, Any] = {"fx_graph_cache": False}
+
+
 #: The compiled verify step's other candidate on the CPU: the weights read as they are (not frozen),
 #: so its matmuls are ATen's ``mm``/``addmm`` (MKL). On an Intel Sapphire Rapids (float32, SmolLM2-135M)
 #: a verify of 3 tokens cost 26.4 ms this way against 31.5 ms with the C++ GEMM template, whose
@@ -274,7 +283,9 @@ class CompiledFn:
         self._build()
 
     def _build(self) -> None:
-        self.options = {} if self.cuda else self.tiers[self.tier]
+        self.options = {} if self.cuda else dict(self.tiers[self.tier])
+        if self.options.get("freezing"):
+            self.options.update(FROZEN_UNCACHED)
         self.fn = torch.compile(self.raw, mode="reduce-overhead" if self.cuda else None)
         self.trusted: set[tuple] = set()  # call signatures whose guards passed in a full check (see __call__)
         self.distrusted: set[tuple] = set()  # trusted ones that still needed a recompile: always checked in full
