@@ -648,6 +648,48 @@ def test_compiled_draft_is_rebuilt_when_its_weights_change():
         assert torch.allclose(_draft_logits(prop, prop._compiled), fresh, atol=1e-4)
 
 
+@pytest.mark.slow
+def test_a_compiled_draft_step_that_disagrees_with_the_eager_one_is_not_used(monkeypatch, caplog):
+    """After compiling, the draft step is checked against the eager one on one input: a wrong graph
+    (here: the compiled function's logits scaled by -3, what a stale frozen graph looks like to the
+    check) is dropped with a warning, the draft runs eagerly, output is plain decoding's, and the
+    next prompt does not compile it again. The control: a correct compile passes the check and is kept."""
+    from test_eagle3 import _draft
+
+    from draftsmith.decoding import Eagle3Proposer, proposers
+
+    verifier = tiny_model("llama", layers=3)
+    d = _draft(verifier, vd=64)
+    d.config.aux_layer_ids = [0, 1, 3]
+    prompt = _ids(10, 3).tolist()
+    with torch.inference_mode():
+        plain = generate(verifier, prompt, max_new_tokens=16, eos_token_id=[]).token_ids
+        good = Eagle3Proposer(d)
+        out = generate(verifier, prompt, proposer=good, max_new_tokens=16, num_draft_tokens=2, eos_token_id=[],
+                       compile=True)
+        assert out.token_ids == plain and good._compiled is not None
+        assert good.compile_error is not None and good.compile_error < 1e-3
+
+        real = proposers.CompiledFn
+
+        class Wrong(real):
+            def __call__(self, *args):
+                logits, h = super().__call__(*args)
+                return -3 * logits, h
+
+        monkeypatch.setattr(proposers, "CompiledFn", Wrong)
+        bad = Eagle3Proposer(d)
+        out = generate(verifier, prompt, proposer=bad, max_new_tokens=16, num_draft_tokens=2, eos_token_id=[],
+                       compile=True)
+        assert out.token_ids == plain and out.stats["drafts"] > 0
+        assert bad._compiled is None and bad.compile_error > proposers.COMPILED_DRAFT_TOLERANCE
+        assert "runs eagerly" in caplog.text
+        built = []
+        monkeypatch.setattr(proposers, "CompiledFn", lambda *a, **k: built.append(1) or Wrong(*a, **k))
+        generate(verifier, prompt, proposer=bad, max_new_tokens=8, num_draft_tokens=2, eos_token_id=[], compile=True)
+        assert not built and bad._compiled is None  # refused for these weights: not compiled again
+
+
 def test_a_cpu_compile_tier_that_fails_gives_way_to_the_next(monkeypatch, caplog):
     """CompiledFn: a tier whose compile fails (here: no C++ compiler) is logged and the next one
     compiles; the control: with only the failing tier, the failure is raised."""

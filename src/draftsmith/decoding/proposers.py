@@ -10,6 +10,7 @@ already runs (no second verifier pass). Signatures never widen per drafter.
 from __future__ import annotations
 
 import abc
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -21,6 +22,14 @@ from draftsmith.decoding.sampling import SamplingParams, logits_to_probs, sample
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.kv import KVCache
 from draftsmith.models.quantize import output_vocab_size
+
+log = logging.getLogger(__name__)
+
+#: A freshly compiled draft step is checked against the eager one on one input; beyond this
+#: fraction of the logits' largest magnitude it is not used (int8 rounding: ~0.5%; the stale
+#: graph of BENCHMARKS 9v: >300%). A wrong draft step never changes output, only acceptance,
+#: so nothing else would notice.
+COMPILED_DRAFT_TOLERANCE = 0.05
 
 if TYPE_CHECKING:
     from draftsmith.models.eagle3 import Eagle3Draft
@@ -228,6 +237,8 @@ class Eagle3Proposer(Proposer):
         self._compiled: Any = None  # the compiled draft step, kept across prompts
         self._compiled_version: tuple[int, ...] = ()  # the draft's weights_version when it was compiled
         self._warm: set[tuple[int, bool]] = set()
+        self._refused: tuple[int, ...] | None = None  # weights_version whose compiled step failed its check
+        self.compile_error: float | None = None  # that check's relative error (None: not compiled)
         self.reset()
 
     def reset(self) -> None:
@@ -238,7 +249,7 @@ class Eagle3Proposer(Proposer):
         self.compile_seconds = 0.0
         if compile and self._compiled is not None and self._compiled_version != weights_version(self.draft):
             self._compiled, self._warm = None, set()  # trained since: its graphs hold the old weights
-        if compile and self._compiled is None:
+        if compile and self._compiled is None and self._refused != weights_version(self.draft):
             self._compiled = CompiledFn(self._static_step, self.draft.fc.weight.device)
             self._compiled_version = weights_version(self.draft)
             self.cache = None  # a compiled step gets a bucketed, address-stable cache
@@ -246,7 +257,7 @@ class Eagle3Proposer(Proposer):
             self._compiled, self.cache = None, None
         self._ensure(max_length)
         self.cache.length = 0
-        if compile:
+        if compile and self._compiled is not None:
             self._warmup()
 
     def _ensure(self, capacity: int) -> None:
@@ -305,7 +316,34 @@ class Eagle3Proposer(Proposer):
             self._warm.add(key)
             did = True
         self.cache.length = 0
+        if did:
+            self._check_compiled()
         self.compile_seconds = time.perf_counter() - t0 if did else 0.0
+
+    def _check_compiled(self) -> None:
+        """Drop the compiled step (the eager one drafts instead, with a warning) when its logits
+        on one fixed input are not the eager step's within :data:`COMPILED_DRAFT_TOLERANCE`."""
+        w, cfg = self.draft.fc.weight, self.draft.config
+        g = torch.Generator().manual_seed(0)
+        m = 3
+        ids = torch.randint(0, cfg.vocab_size, (1, m), generator=g).to(w.device)
+        hidden = torch.randn(1, m, cfg.hidden_size, generator=g).to(w.device, w.dtype)
+        pos = torch.arange(1, m + 1, device=w.device)[None]
+        capacity = self.cache.capacity
+        self.cache.length = 0
+        got = self._step(ids, hidden, pos)[0].float()
+        self.cache.length = 0
+        ref = self.draft.step(ids, hidden, pos, self.draft.new_cache(m))[0].float()
+        err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
+        self.compile_error = err
+        if not err <= COMPILED_DRAFT_TOLERANCE:  # also NaN
+            log.warning("the compiled draft step's logits differ from the eager step's by %.1f%% of their "
+                        "largest magnitude (tolerance %.0f%%): the draft runs eagerly", 100 * err,
+                        100 * COMPILED_DRAFT_TOLERANCE)
+            self._compiled, self.cache, self._warm = None, None, set()
+            self._refused = self._compiled_version
+            self._ensure(capacity)
+            self.cache.length = 0
 
     def check_compatible(self, verifier: torch.nn.Module) -> None:
         cfg = self.draft.config
