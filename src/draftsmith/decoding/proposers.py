@@ -342,8 +342,7 @@ class Eagle3Proposer(Proposer):
                         100 * COMPILED_DRAFT_TOLERANCE)
             self._compiled, self.cache, self._warm = None, None, set()
             self._refused = self._compiled_version
-            self._ensure(capacity)
-            self.cache.length = 0
+            self._ensure(capacity)  # a fresh eager cache, empty
 
     def check_compatible(self, verifier: torch.nn.Module) -> None:
         cfg = self.draft.config
