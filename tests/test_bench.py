@@ -276,6 +276,15 @@ def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
     assert {"best_k", "predicted", "measured", "held_back_by", "factors"} <= set(wrong)
     assert wrong["measured"].keys() == {"2", "3"}
     assert report["costs"]["t1_seconds"] > 0 and len(report["costs"]["t_verify_seconds"]) == 9
+    # the predictions' prices: T(1) from the plain loop's steps (two calibration decodes of 10 tokens,
+    # 9 steps each), each drafter's verify forwards from its own decodes at k = 2 and 3 (and 1)
+    assert report["costs"]["plain_loop_steps"] == 18 and report["costs"]["t1_plain_loop_seconds"] > 0
+    for name in ("perfect", "wrong"):
+        be = report["break_even"][name]
+        assert be["t_verify_seconds"]["1"] == report["costs"]["t1_plain_loop_seconds"] or \
+            be["t_verify_seconds"]["1"] <= be["t_verify_seconds"]["2"]  # (pooled only where T(2) < T(1))
+        assert {"2", "3", "4"} <= set(be["verify_in_situ_samples"]), be["verify_in_situ_samples"]
+        assert len(be["t_verify_seconds"]) == 9
     # measured with the weights held [in, out] (every row still lossless, above), put back as loaded
     assert report["provenance"]["weight_layout"] == "in-out"
     assert all(p.is_contiguous() for p in tiny.parameters())
@@ -444,6 +453,34 @@ def test_bench_cli_on_smollm2(tmp_path):
     assert report["provenance"]["weight_layout_asked"] == "auto"
     assert report["provenance"]["weight_layout"] == report["weight_layout_choice"]["layout"]
     assert set(report["weight_layout_choice"]["t_seconds"]) == {"out-in", "onednn"}
+
+
+def test_trimmed_mean_drops_a_preemption_but_keeps_the_skew():
+    steps = [0.030] * 19 + [0.130]  # one step preempted for 100 ms among twenty
+    assert costmodel.trimmed_mean(steps) == pytest.approx(0.030)
+    assert sum(steps) / len(steps) == pytest.approx(0.035)  # control: the plain mean moves 17%
+    skewed = [0.030] * 14 + [0.036] * 6  # catch-up steps in 30% of rounds: a price must count them
+    assert costmodel.trimmed_mean(skewed) == pytest.approx((13 * 0.030 + 5 * 0.036) / 18)
+    assert np.median(skewed) == pytest.approx(0.030)  # control: the median does not
+    assert costmodel.trimmed_mean([1.0, 2.0]) == 1.5  # too few to trim
+    with pytest.raises(ValueError):
+        costmodel.trimmed_mean([])
+
+
+def test_in_situ_prices_replace_the_bare_table_where_measured():
+    table = {1: 0.025, 2: 0.030, 3: 0.034, 4: 0.038, 5: 0.042}
+    plain = [0.0234] * 20
+    verify = {2: [0.0315] * 12, 3: [0.036] * 3, 1: [0.5] * 9}  # n = 3: too few; n = 1 in a round: not T(1)
+    t = costmodel.in_situ_prices(table, plain, verify)
+    assert t[1] == pytest.approx(0.0234)  # the plain loop's step, not the bare 25 ms
+    assert t[2] == pytest.approx(0.0315)  # the rounds' verify, not the bare 30 ms
+    scale = 0.0315 / 0.030
+    assert t[3] == pytest.approx(0.034 * scale) and t[5] == pytest.approx(0.042 * scale)
+    # nothing measured in situ: the bare table as it was
+    assert costmodel.in_situ_prices(table, [], {}) == table
+    # a plain loop dearer than the rounds' verify would price drafting below nothing: pooled, non-decreasing
+    t = costmodel.in_situ_prices(table, [0.040] * 20, {2: [0.032] * 10})
+    assert t[1] == t[2] == pytest.approx(0.036) and t[3] > t[2]
 
 
 def test_monotone_fit_pools_violators():

@@ -75,6 +75,29 @@ def test_perfect_drafter_metrics():
     assert s["new_tokens"] == 1 + rounds * (k + 1)
 
 
+def test_time_steps_times_every_verify_forward_by_its_length():
+    """``time_steps`` records one time per verifier forward after the prompt's, under the number of
+    tokens it verified, and changes nothing else."""
+    verifier = tiny_model("llama")
+    prompt = _prompt(1)
+    k, rounds = 3, 6
+    n = 1 + rounds * (k + 1)
+    timed = generate(verifier, prompt, proposer=DraftModelProposer(verifier), max_new_tokens=n + 1,
+                     num_draft_tokens=k, eos_token_id=[], time_steps=True)
+    steps = timed.stats["step_seconds"]
+    assert set(steps) == {k + 1, 1}  # full rounds, then a last one-token step (budget n + 1)
+    assert len(steps[k + 1]) == rounds and len(steps[1]) == 1
+    assert all(t > 0 for v in steps.values() for t in v)
+    untimed = generate(verifier, prompt, proposer=DraftModelProposer(verifier), max_new_tokens=n + 1,
+                       num_draft_tokens=k, eos_token_id=[])
+    assert "step_seconds" not in untimed.stats and untimed.token_ids == timed.token_ids
+    plain = generate(verifier, prompt, max_new_tokens=9, eos_token_id=[], time_steps=True)
+    assert list(plain.stats["step_seconds"]) == [1] and len(plain.stats["step_seconds"][1]) == 8
+    partial = generate(verifier, prompt, proposer=_drafters("llama")["partial"], max_new_tokens=40,
+                       num_draft_tokens=k, eos_token_id=[], time_steps=True)
+    assert sum(map(len, partial.stats["step_seconds"].values())) == partial.stats["verifier_forwards"] - 1
+
+
 def test_random_drafter_metrics():
     verifier = tiny_model("llama", vocab=VOCAB)
     out = generate(verifier, _prompt(2), proposer=DraftModelProposer(tiny_model("llama", seed=99)),

@@ -14,6 +14,7 @@ drafter back.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -199,6 +200,59 @@ def monotone_fit(values: dict[int, float]) -> dict[int, float]:
     fitted = [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
     return dict(zip(keys, fitted))
 
+
+
+#: Fraction of the samples dropped at each end by :func:`trimmed_mean`
+TRIM = 0.05
+
+
+def trimmed_mean(samples: Sequence[float], trim: float = TRIM) -> float:
+    """Mean of ``samples`` without the ``trim`` fraction at each end.
+
+    A price must add up to the time a decode spends, so it is a mean, not a median: a
+    verify forward's times are skewed (a draft-step catch-up of n + 1 tokens, a slower
+    step now and then), and the median of skewed times undercounts their sum. The trim
+    keeps one preemption of the process (a 100 ms step among 30 ms ones) from moving it.
+    """
+    xs = sorted(float(x) for x in samples)
+    if not xs:
+        raise ValueError("trimmed_mean of no samples")
+    cut = int(len(xs) * trim)
+    xs = xs[cut:len(xs) - cut] or xs
+    return sum(xs) / len(xs)
+
+
+#: In-situ samples a verify length needs before its own mean prices it (:func:`in_situ_prices`)
+MIN_IN_SITU = 5
+
+
+def in_situ_prices(table: dict[int, float], plain: Sequence[float], verify: dict[int, Sequence[float]],
+                   min_samples: int = MIN_IN_SITU) -> dict[int, float]:
+    """``T_verify(n)`` as a decode loop pays it, from the bare step table and in-situ samples.
+
+    The bare table (every length timed alone, one after another, after a fixed context) is
+    not what a loop pays: BENCHMARKS 9v found its T(1) 1.5 ms dearer than the plain loop's
+    steps and its 2-token verify 1.7 ms cheaper than the rounds' (which also return the aux
+    hidden states a drafter reads). So:
+
+    - ``T(1)`` is the trimmed mean of ``plain``, the one-token steps of a plain decode;
+    - ``T(n)``, n >= 2, is the trimmed mean of ``verify[n]``, the verify forwards of n tokens
+      timed inside the drafter's own decodes, where it has ``min_samples`` of them;
+    - any other length is the table's price times the in-situ/table ratio of the measured
+      lengths (1 when none is measured), so the shape over n still comes from the table.
+
+    The result is made non-decreasing in n (:func:`monotone_fit`).
+    """
+    out = dict(table)
+    if len(plain) >= min_samples:
+        out[1] = trimmed_mean(plain)
+    seen = {n: trimmed_mean(v) for n, v in verify.items() if n >= 2 and len(v) >= min_samples and n in table}
+    ratios = [seen[n] / table[n] for n in seen if table[n] > 0]
+    scale = statistics.median(ratios) if ratios else 1.0
+    for n in out:
+        if n >= 2:
+            out[n] = seen.get(n, table[n] * scale)
+    return monotone_fit(out)
 
 
 def fit_draft_cost(per_call: dict[int, float]) -> tuple[float, float]:

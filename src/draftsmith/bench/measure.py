@@ -22,7 +22,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from draftsmith.bench.costmodel import CostModel, DrafterProfile, best_k, fit_draft_cost, monotone_fit, predict
+from draftsmith.bench.costmodel import (CostModel, DrafterProfile, best_k, fit_draft_cost, in_situ_prices,
+                                        monotone_fit, predict, trimmed_mean)
 from draftsmith.bench.verdict import OutputVerdict, compare_outputs, model_scorer
 from draftsmith.decoding.proposers import DraftContext, Proposal, Proposer
 from draftsmith.decoding.sampling import SamplingParams
@@ -355,11 +356,16 @@ def measure_verify_costs(model: torch.nn.Module, context: Sequence[int], ns: Seq
 
 def measure_draft_costs(model: torch.nn.Module, proposer: Proposer, prompt: Sequence[int], ks: Sequence[int],
                         max_new_tokens: int, temperature: float, seed: int, compile: bool = False,
-                        on_compile: Callable[[float], None] | None = None) -> dict[int, float]:
-    """Median seconds of one propose call at each k, timed inside real generations.
+                        on_compile: Callable[[float], None] | None = None,
+                        verify_seconds: dict[int, list[float]] | None = None) -> dict[int, float]:
+    """Seconds of one propose call at each k (:func:`~draftsmith.bench.costmodel.trimmed_mean`
+    of the calls), timed inside real generations.
 
     The first call of a sequence is skipped: it includes one-off work (a draft
-    model's prompt prefill) that is not a per-round cost.
+    model's prompt prefill) that is not a per-round cost. With ``verify_seconds``,
+    the same generations' verifier forwards are timed into it too (tokens verified ->
+    seconds, appended), the verify prices as the rounds pay them (aux hidden states
+    included).
     """
     from draftsmith.decoding.engine import generate
 
@@ -368,13 +374,30 @@ def measure_draft_costs(model: torch.nn.Module, proposer: Proposer, prompt: Sequ
     for k in ks:
         rec = RecordingProposer(proposer, timing=True, device=device)
         res = generate(model, prompt, proposer=rec, max_new_tokens=max_new_tokens, temperature=temperature,
-                       num_draft_tokens=k, seed=seed, compile=compile)
+                       num_draft_tokens=k, seed=seed, compile=compile, time_steps=verify_seconds is not None)
         if on_compile is not None:
             on_compile(float(res.stats.get("compile_seconds", 0.0)))
+        if verify_seconds is not None:
+            for n, v in res.stats["step_seconds"].items():
+                verify_seconds.setdefault(n, []).extend(v)
         times = [s for req, _, s in rec.calls[1:] if req == k] or [s for _, _, s in rec.calls]
         if times:
-            out[k] = statistics.median(times)
+            out[k] = trimmed_mean(times)
     return out
+
+
+def measure_plain_steps(model: torch.nn.Module, prompt: Sequence[int], max_new_tokens: int, temperature: float,
+                        seed: int, compile: bool = False,
+                        on_compile: Callable[[float], None] | None = None) -> list[float]:
+    """Seconds of each one-token step of a plain decode of ``prompt`` (the prompt's forward left out):
+    ``T(1)`` as the plain loop pays it."""
+    from draftsmith.decoding.engine import generate
+
+    res = generate(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                   compile=compile, time_steps=True)
+    if on_compile is not None:
+        on_compile(float(res.stats.get("compile_seconds", 0.0)))
+    return list(res.stats["step_seconds"].get(1, []))
 
 
 def load_eval_prompts(dataset: str, tokenizer: object, limit: int | None) -> list[tuple[str, list[int]]]:
@@ -530,7 +553,9 @@ class BenchState:
     rows: list[Row]
     prompts: list[tuple[str, list[int]]]
     results: dict[tuple[int, int], list[RunResult]] = field(default_factory=dict)  # (row, prompt) -> repeats
-    costs: CostModel | None = None
+    costs: CostModel | None = None  # the bare step table (measure_verify_costs), and its context
+    plain_steps: list[float] = field(default_factory=list)  # T(1) in a plain decode (measure_plain_steps)
+    verify_steps: dict[str, dict[int, list[float]]] = field(default_factory=dict)  # drafter -> n -> in its decodes
     draft_per_call: dict[str, dict[int, float]] = field(default_factory=dict)
     draft_fit: dict[str, tuple[float, float]] = field(default_factory=dict)
     verdicts: dict[tuple[int, int], OutputVerdict] = field(default_factory=dict)  # (row, prompt), greedy only
@@ -545,9 +570,12 @@ class BenchState:
     load_at_start: float | None = field(default_factory=lambda: load_average())
 
     def drafter_costs(self, name: str) -> CostModel:
-        """The measured step costs with drafter ``name``'s fitted propose cost (none if not measured)."""
+        """The step costs drafter ``name``'s rounds pay: ``T(1)`` of the plain loop and ``T_verify(n)``
+        of its own decodes where measured in situ (:func:`~draftsmith.bench.costmodel.in_situ_prices`,
+        the bare table elsewhere), with its fitted propose cost (none if not measured)."""
         fixed, per_token = self.draft_fit.get(name, (0.0, 0.0))
-        return dataclasses.replace(self.costs, draft_fixed=fixed, draft_per_token=per_token)
+        t_verify = in_situ_prices(self.costs.t_verify, self.plain_steps, self.verify_steps.get(name, {}))
+        return dataclasses.replace(self.costs, t_verify=t_verify, draft_fixed=fixed, draft_per_token=per_token)
 
 
 def build_rows(model: torch.nn.Module, proposers: dict[str, Proposer], ks: Sequence[int],
@@ -604,28 +632,51 @@ def cost_context(model: torch.nn.Module, prompt: Sequence[int], max_new_tokens: 
     return (list(prompt) * (target // len(prompt) + 1))[:target]
 
 
+#: Tokens decoded by each in-situ calibration run of :func:`measure_costs` (at most; the bench's
+#: --max-new-tokens when smaller)
+CALIBRATION_TOKENS = 96
+
+
 def measure_costs(state: BenchState, proposers: dict[str, Proposer], ks: Sequence[int], max_new_tokens: int,
                   temperature: float, seed: int, compile: bool = False) -> None:
-    """Fill ``state.costs`` (T_verify(n)) and per-drafter propose costs for this machine and model."""
+    """Fill ``state``'s step costs for this machine and model:
+
+    - ``costs``: the bare table, ``T_verify(n)`` for n = 1 .. max(k_max, 8) + 1, each length timed
+      alone after a mid-reply context (it gives the shape over n, and the k the bench did not run);
+    - ``plain_steps``: the one-token steps of a plain decode of the first prompt (before and after
+      the drafters' decodes);
+    - per drafter, decoding the first prompt at every k of ``ks``: its propose calls
+      (``draft_per_call``, fitted as ``draft_fit``) and the verify forwards of its rounds
+      (``verify_steps``).
+
+    The predictions price a round with what the loop pays (:meth:`BenchState.drafter_costs`);
+    what they leave out is the engine's own work between the steps.
+    """
     model = state.rows[0].model
     prompt = state.prompts[0][1]
     k_max = max(max(ks), 8)
     context = cost_context(model, prompt, max_new_tokens, k_max)
     target = len(context)
+    tokens = min(max_new_tokens, CALIBRATION_TOKENS)
 
     def compiled(seconds: float) -> None:  # compile time spent while the costs were measured
         state.costs_compile_seconds += seconds
 
     state.costs = CostModel(measure_verify_costs(model, context, range(1, k_max + 2), compile=compile,
                                                  on_compile=compiled), context_tokens=target)
-    cal_ks = sorted({1, max(ks)})
+    cal_ks = sorted({1, *ks})
+    # a plain decode before and after the drafters' (drift during them hits both sides of the ratio)
+    state.plain_steps = measure_plain_steps(model, prompt, tokens, temperature, seed, compile, on_compile=compiled)
     for name, prop in proposers.items():
-        per_call = measure_draft_costs(model, prop, prompt, cal_ks, min(max_new_tokens, 48), temperature, seed,
-                                       compile, on_compile=compiled)
+        verify: dict[int, list[float]] = {}
+        per_call = measure_draft_costs(model, prop, prompt, cal_ks, tokens, temperature, seed,
+                                       compile, on_compile=compiled, verify_seconds=verify)
         state.draft_per_call[name] = per_call
         state.draft_fit[name] = fit_draft_cost(per_call)
-
-
+        state.verify_steps[name] = verify
+    if proposers:
+        state.plain_steps += measure_plain_steps(model, prompt, tokens, temperature, seed, compile,
+                                                 on_compile=compiled)
 
 
 def judge_outputs(state: BenchState, model: torch.nn.Module) -> None:

@@ -213,8 +213,8 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
                         Path(out_dir) / "engine-logs", cfg.threads, cfg.draft_precision, chosen)
     state = BenchState(rows, prompts)
     if pre is not None:  # the costs measured for the choice are the bench's, and its clock started with them
-        for name in ("costs", "draft_per_call", "draft_fit", "costs_compile_seconds", "k_choice", "started",
-                     "load_at_start"):
+        for name in ("costs", "plain_steps", "verify_steps", "draft_per_call", "draft_fit", "costs_compile_seconds",
+                     "k_choice", "started", "load_at_start"):
             setattr(state, name, getattr(pre, name))
     state.layout_choice = layout_choice
     param = next(model.parameters())

@@ -63,7 +63,7 @@ def generate(model: torch.nn.Module, input_ids: Any, proposer: Proposer | None =
              max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, num_draft_tokens: int = 5, seed: int | None = None,
              eos_token_id: int | Sequence[int] | None = None, compile: bool = False,
-             engine: str = "auto") -> GenerationOutput:
+             engine: str = "auto", time_steps: bool = False) -> GenerationOutput:
     """Generate with speculative decoding (or plainly, when ``proposer`` is None).
 
     At temperature 0 the output equals the verifier's own greedy decoding; above 0
@@ -84,6 +84,9 @@ def generate(model: torch.nn.Module, input_ids: Any, proposer: Proposer | None =
             supports it); compile time is reported as ``compile_seconds``, apart from ``seconds``.
         engine: verifier path: ``auto`` (the leanest exact one), ``lean``, ``hf-static`` or
             ``hf-dynamic`` (see :mod:`draftsmith.decoding.runner`).
+        time_steps: time every verifier forward after the prompt's (on CUDA with a device sync
+            around each) into ``stats["step_seconds"]``: ``{tokens verified: [seconds, ...]}``,
+            the step prices as the loop pays them (:func:`draftsmith.bench.measure.measure_costs`).
 
     Returns:
         :class:`GenerationOutput` with the new token ids and statistics.
@@ -115,6 +118,8 @@ def generate(model: torch.nn.Module, input_ids: Any, proposer: Proposer | None =
 
     accepted_at = [0] * num_draft_tokens
     drafts = draft_tokens = forwards = 0
+    step_seconds: dict[int, list[float]] = {}
+    cuda = device.type == "cuda"
     with torch.inference_mode():
         runner = verifier_runner(model, capacity, compile=compile, mode=engine, aux_layer_ids=aux,
                                  warmup_shapes=(1, *range(2, num_draft_tokens + 2)) if proposer is not None else (1,))
@@ -140,7 +145,15 @@ def generate(model: torch.nn.Module, input_ids: Any, proposer: Proposer | None =
                     proposal = proposer.propose(ctx, k, sampling, generator)
                     draft, q = proposal.tokens[:k].to(device), proposal.probs
                 kk = draft.shape[0]
+                if time_steps:
+                    if cuda:
+                        torch.cuda.synchronize(device)
+                    t_step = time.perf_counter()
                 logits, hidden = runner.forward(torch.cat([seq[T - 1:T], draft]), kk + 1, aux)
+                if time_steps:
+                    if cuda:
+                        torch.cuda.synchronize(device)
+                    step_seconds.setdefault(kk + 1, []).append(time.perf_counter() - t_step)
                 forwards += 1
                 if sampling.greedy:
                     decision = greedy_verify(draft, logits)
@@ -165,7 +178,7 @@ def generate(model: torch.nn.Module, input_ids: Any, proposer: Proposer | None =
                 T += len(new)
                 out.extend(new)
                 token = new[-1]
-            if device.type == "cuda":
+            if cuda:
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - t0
         finally:
@@ -188,4 +201,6 @@ def generate(model: torch.nn.Module, input_ids: Any, proposer: Proposer | None =
         "compile_seconds": runner.compile_seconds + float(getattr(proposer, "compile_seconds", 0.0)),
         "verify_tiers": getattr(runner, "verify_tiers", {}),
     }
+    if time_steps:
+        stats["step_seconds"] = step_seconds
     return GenerationOutput(out, stats)
