@@ -13,9 +13,11 @@ splits every round's wall time into:
 - ``loop``: the rest, the engine's own work between them (the accept decision and its host sync,
   rollback, bookkeeping).
 
-Beside it the bench's own prices, measured as ``draftsmith bench`` measures them
-(``measure.measure_verify_costs``: the bare verify forward, no aux states; ``measure_draft_costs``),
-and the plain loop's time per token against its bare one-token forward.
+Beside it two price lists: the bare table (``measure.measure_verify_costs``: each verify length
+timed alone, no aux states), which the bench priced rounds with until BENCHMARKS 9w, and the
+prices ``draftsmith bench`` uses since (``BenchState.drafter_costs``: ``T(1)`` from a plain
+decode's steps, ``T_verify(n)`` from the drafter's own decodes, ``costmodel.in_situ_prices``),
+both with ``measure_draft_costs``' propose prices, and the plain loop's time per token against both.
 
     PYTHONPATH=src python benchmarks/round_overhead.py --threads 2 --compile --ks 1 2 \
         --out benchmarks/results/round-overhead-spr.json
@@ -77,7 +79,8 @@ def main() -> int:
     torch.set_num_threads(args.threads)
 
     import draftsmith.decoding.runner as runner_mod
-    from draftsmith.bench.measure import measure_draft_costs, measure_verify_costs
+    from draftsmith.bench.costmodel import in_situ_prices
+    from draftsmith.bench.measure import measure_draft_costs, measure_plain_steps, measure_verify_costs
     from draftsmith.data.sources import eval_set
     from draftsmith.decoding.engine import generate
     from draftsmith.decoding.proposers import Eagle3Proposer
@@ -116,8 +119,14 @@ def main() -> int:
         ctx = list(prompts[0]) + [int(t) for t in generate(model, prompts[0], max_new_tokens=64,
                                                                compile=args.compile).token_ids]
         prices_verify = measure_verify_costs(model, ctx, sorted({1, *(k + 1 for k in args.ks)}), compile=args.compile)
-        prices_draft = measure_draft_costs(model, proposer, prompts[0], args.ks, 64, 0.0, 0, compile=args.compile)
+        plain_steps = measure_plain_steps(model, prompts[0], 96, 0.0, 0, compile=args.compile)
+        seen: dict[int, list[float]] = {}
+        prices_draft = measure_draft_costs(model, proposer, prompts[0], args.ks, 96, 0.0, 0, compile=args.compile,
+                                           verify_seconds=seen)
+        plain_steps += measure_plain_steps(model, prompts[0], 96, 0.0, 0, compile=args.compile)
+        in_situ = in_situ_prices(prices_verify, plain_steps, seen)
         out["priced_ms"] = {"verify": {n: 1e3 * s for n, s in prices_verify.items()},
+                            "verify_in_situ": {n: 1e3 * s for n, s in in_situ.items()},
                             "draft": {k: 1e3 * s for k, s in prices_draft.items()}}
         rows = [("plain", None)] + [(f"eagle3 k={k}", k) for k in args.ks]
         for label, k in rows:
@@ -155,17 +164,22 @@ def main() -> int:
             }
             if k:
                 row["priced_round_ms"] = 1e3 * (prices_verify[k + 1] + prices_draft[k])
+                row["priced_in_situ_round_ms"] = 1e3 * (in_situ[k + 1] + prices_draft[k])
                 row["acceptance_length"] = tokens / n_rounds
             else:
                 row["priced_round_ms"] = 1e3 * prices_verify[1]
+                row["priced_in_situ_round_ms"] = 1e3 * in_situ[1]
             row["unpriced_ms"] = row["ms_per_round"] - row["priced_round_ms"]
+            row["unpriced_in_situ_ms"] = row["ms_per_round"] - row["priced_in_situ_round_ms"]
             out["rows"][label] = row
-            print(f"[{label:10s}] round {row['ms_per_round']:.2f} ms (priced {row['priced_round_ms']:.2f}, "
-                  f"unpriced {row['unpriced_ms']:+.2f}) = verify {row['verify_ms']:.2f} "
+            print(f"[{label:10s}] round {row['ms_per_round']:.2f} ms (priced bare {row['priced_round_ms']:.2f}, "
+                  f"unpriced {row['unpriced_ms']:+.2f}; in situ {row['priced_in_situ_round_ms']:.2f}, "
+                  f"unpriced {row['unpriced_in_situ_ms']:+.2f}) = verify {row['verify_ms']:.2f} "
                   f"(compiled step {row['verify_compiled_step_ms']:.2f}) + propose {row['propose_ms']:.2f} "
                   f"(steps {row['propose_steps_ms']:.2f}) + loop {row['loop_ms']:.2f}; graphs {row['graph_ms_all']:.2f}; "
                   f"{row['tokens_per_round']:.2f} tok/round", flush=True)
-    print("priced (ms): verify " + ", ".join(f"T({n}) {v:.2f}" for n, v in out["priced_ms"]["verify"].items())
+    print("priced (ms): bare verify " + ", ".join(f"T({n}) {v:.2f}" for n, v in out["priced_ms"]["verify"].items())
+          + "; in situ " + ", ".join(f"T({n}) {v:.2f}" for n, v in out["priced_ms"]["verify_in_situ"].items())
           + "; draft " + ", ".join(f"k={k} {v:.2f}" for k, v in out["priced_ms"]["draft"].items()))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -276,9 +276,9 @@ def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
     assert {"best_k", "predicted", "measured", "held_back_by", "factors"} <= set(wrong)
     assert wrong["measured"].keys() == {"2", "3"}
     assert report["costs"]["t1_seconds"] > 0 and len(report["costs"]["t_verify_seconds"]) == 9
-    # the predictions' prices: T(1) from the plain loop's steps (two calibration decodes of 10 tokens,
+    # the predictions' prices: T(1) from the plain loop's steps (three calibration decodes of 10 tokens,
     # 9 steps each), each drafter's verify forwards from its own decodes at k = 2 and 3 (and 1)
-    assert report["costs"]["plain_loop_steps"] == 18 and report["costs"]["t1_plain_loop_seconds"] > 0
+    assert report["costs"]["plain_loop_steps"] == 27 and report["costs"]["t1_plain_loop_seconds"] > 0
     for name in ("perfect", "wrong"):
         be = report["break_even"][name]
         assert be["t_verify_seconds"]["1"] == report["costs"]["t1_plain_loop_seconds"] or \
@@ -376,11 +376,12 @@ def test_bench_prompts_keeps_the_pilot_apart(tmp_path):
 
 
 def test_ctrl_c_leaves_a_partial_report(tiny, tmp_path):
-    # Before the timed loop: calibration at k = 1 and 3 and the warm-up make 8 calls each (10 tokens, never
-    # accepted); so call 30 falls in the first timed drafter run, after the plain run of prompt 1.
+    # Before the timed loop: calibration at k = 1 and 3 (three passes) and the warm-up make 8 calls each
+    # (10 tokens, never accepted); so call 62 falls in the first timed drafter run, after the plain run of
+    # prompt 1.
     cfg = _cfg(tmp_path, num_draft_tokens=[3], num_prompts=3, warmup_tokens=10, hf_reference=False)
     with pytest.raises(KeyboardInterrupt):
-        benchmark(tiny, _prompts(3), {"wrong": _WrongDrafter(stop_at=30)}, cfg, tmp_path, {})
+        benchmark(tiny, _prompts(3), {"wrong": _WrongDrafter(stop_at=62)}, cfg, tmp_path, {})
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["partial"] is True and "interrupted" in report["note"]
     assert [r["name"] for r in report["rows"]] == ["plain (ours)"]

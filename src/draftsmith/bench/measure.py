@@ -354,33 +354,40 @@ def measure_verify_costs(model: torch.nn.Module, context: Sequence[int], ns: Seq
     return monotone_fit({n: statistics.median(v) for n, v in times.items()})
 
 
+def time_drafter(model: torch.nn.Module, proposer: Proposer, prompt: Sequence[int], k: int, max_new_tokens: int,
+                 temperature: float, seed: int, compile: bool = False,
+                 on_compile: Callable[[float], None] | None = None) -> tuple[list[float], dict[int, list[float]]]:
+    """One decode of ``prompt`` at draft length ``k``: the seconds of its propose calls that asked
+    for k (the first call left out: it includes one-off work, a draft model's prompt prefill,
+    that is not a per-round cost), and of its verifier forwards after the prompt's by the number
+    of tokens each verified (aux hidden states included: the verify prices as rounds pay them)."""
+    from draftsmith.decoding.engine import generate
+
+    device = next(model.parameters()).device
+    rec = RecordingProposer(proposer, timing=True, device=device)
+    res = generate(model, prompt, proposer=rec, max_new_tokens=max_new_tokens, temperature=temperature,
+                   num_draft_tokens=k, seed=seed, compile=compile, time_steps=True)
+    if on_compile is not None:
+        on_compile(float(res.stats.get("compile_seconds", 0.0)))
+    times = [s for req, _, s in rec.calls[1:] if req == k] or [s for _, _, s in rec.calls]
+    return times, res.stats["step_seconds"]
+
+
 def measure_draft_costs(model: torch.nn.Module, proposer: Proposer, prompt: Sequence[int], ks: Sequence[int],
                         max_new_tokens: int, temperature: float, seed: int, compile: bool = False,
                         on_compile: Callable[[float], None] | None = None,
                         verify_seconds: dict[int, list[float]] | None = None) -> dict[int, float]:
     """Seconds of one propose call at each k (:func:`~draftsmith.bench.costmodel.trimmed_mean`
-    of the calls), timed inside real generations.
-
-    The first call of a sequence is skipped: it includes one-off work (a draft
-    model's prompt prefill) that is not a per-round cost. With ``verify_seconds``,
-    the same generations' verifier forwards are timed into it too (tokens verified ->
-    seconds, appended), the verify prices as the rounds pay them (aux hidden states
-    included).
-    """
-    from draftsmith.decoding.engine import generate
-
-    device = next(model.parameters()).device
+    of the calls), timed inside a real generation at that k (:func:`time_drafter`); with
+    ``verify_seconds``, those generations' verifier forwards are appended to it too
+    (tokens verified -> seconds)."""
     out: dict[int, float] = {}
     for k in ks:
-        rec = RecordingProposer(proposer, timing=True, device=device)
-        res = generate(model, prompt, proposer=rec, max_new_tokens=max_new_tokens, temperature=temperature,
-                       num_draft_tokens=k, seed=seed, compile=compile, time_steps=verify_seconds is not None)
-        if on_compile is not None:
-            on_compile(float(res.stats.get("compile_seconds", 0.0)))
+        times, steps = time_drafter(model, proposer, prompt, k, max_new_tokens, temperature, seed, compile,
+                                    on_compile)
         if verify_seconds is not None:
-            for n, v in res.stats["step_seconds"].items():
+            for n, v in steps.items():
                 verify_seconds.setdefault(n, []).extend(v)
-        times = [s for req, _, s in rec.calls[1:] if req == k] or [s for _, _, s in rec.calls]
         if times:
             out[k] = trimmed_mean(times)
     return out
@@ -632,9 +639,9 @@ def cost_context(model: torch.nn.Module, prompt: Sequence[int], max_new_tokens: 
     return (list(prompt) * (target // len(prompt) + 1))[:target]
 
 
-#: Tokens decoded by each in-situ calibration run of :func:`measure_costs` (at most; the bench's
-#: --max-new-tokens when smaller)
-CALIBRATION_TOKENS = 96
+#: The in-situ calibration of :func:`measure_costs`: passes over plain decoding and every drafter
+#: at every k, and tokens decoded by each (at most; the bench's --max-new-tokens when smaller)
+CALIBRATION_PASSES, CALIBRATION_TOKENS = 3, 64
 
 
 def measure_costs(state: BenchState, proposers: dict[str, Proposer], ks: Sequence[int], max_new_tokens: int,
@@ -643,40 +650,46 @@ def measure_costs(state: BenchState, proposers: dict[str, Proposer], ks: Sequenc
 
     - ``costs``: the bare table, ``T_verify(n)`` for n = 1 .. max(k_max, 8) + 1, each length timed
       alone after a mid-reply context (it gives the shape over n, and the k the bench did not run);
-    - ``plain_steps``: the one-token steps of a plain decode of the first prompt (before and after
-      the drafters' decodes);
-    - per drafter, decoding the first prompt at every k of ``ks``: its propose calls
-      (``draft_per_call``, fitted as ``draft_fit``) and the verify forwards of its rounds
-      (``verify_steps``).
+    - ``plain_steps``: the one-token steps of plain decodes;
+    - per drafter at every k of ``ks``: its propose calls (``draft_per_call``, fitted as
+      ``draft_fit``) and the verify forwards of its rounds (``verify_steps``).
 
-    The predictions price a round with what the loop pays (:meth:`BenchState.drafter_costs`);
-    what they leave out is the engine's own work between the steps.
+    The last three come from :data:`CALIBRATION_PASSES` passes, each over one prompt (the first
+    ones in turn) decoded plainly and by every drafter at every k, in an order that rotates from
+    pass to pass, so that a drift of the machine's speed hits plain and speculative steps alike:
+    the predictions divide one by the other (:meth:`BenchState.drafter_costs`). What they leave
+    out is the engine's own work between the steps.
     """
     model = state.rows[0].model
-    prompt = state.prompts[0][1]
     k_max = max(max(ks), 8)
-    context = cost_context(model, prompt, max_new_tokens, k_max)
-    target = len(context)
+    context = cost_context(model, state.prompts[0][1], max_new_tokens, k_max)
     tokens = min(max_new_tokens, CALIBRATION_TOKENS)
 
     def compiled(seconds: float) -> None:  # compile time spent while the costs were measured
         state.costs_compile_seconds += seconds
 
     state.costs = CostModel(measure_verify_costs(model, context, range(1, k_max + 2), compile=compile,
-                                                 on_compile=compiled), context_tokens=target)
-    cal_ks = sorted({1, *ks})
-    # a plain decode before and after the drafters' (drift during them hits both sides of the ratio)
-    state.plain_steps = measure_plain_steps(model, prompt, tokens, temperature, seed, compile, on_compile=compiled)
-    for name, prop in proposers.items():
-        verify: dict[int, list[float]] = {}
-        per_call = measure_draft_costs(model, prop, prompt, cal_ks, tokens, temperature, seed,
-                                       compile, on_compile=compiled, verify_seconds=verify)
-        state.draft_per_call[name] = per_call
-        state.draft_fit[name] = fit_draft_cost(per_call)
-        state.verify_steps[name] = verify
-    if proposers:
-        state.plain_steps += measure_plain_steps(model, prompt, tokens, temperature, seed, compile,
-                                                 on_compile=compiled)
+                                                 on_compile=compiled), context_tokens=len(context))
+    runs: list[tuple[str, int] | None] = [None, *((name, k) for name in proposers for k in sorted({1, *ks}))]
+    calls: dict[str, dict[int, list[float]]] = {name: {} for name in proposers}
+    state.plain_steps = []
+    state.verify_steps = {name: {} for name in proposers}
+    for p in range(CALIBRATION_PASSES):
+        prompt = state.prompts[p % len(state.prompts)][1]
+        for run in runs[p % len(runs):] + runs[:p % len(runs)]:
+            if run is None:
+                state.plain_steps += measure_plain_steps(model, prompt, tokens, temperature, seed, compile,
+                                                         on_compile=compiled)
+                continue
+            name, k = run
+            times, steps = time_drafter(model, proposers[name], prompt, k, tokens, temperature, seed, compile,
+                                        on_compile=compiled)
+            calls[name].setdefault(k, []).extend(times)
+            for n, v in steps.items():
+                state.verify_steps[name].setdefault(n, []).extend(v)
+    for name in proposers:
+        state.draft_per_call[name] = {k: trimmed_mean(v) for k, v in sorted(calls[name].items()) if v}
+        state.draft_fit[name] = fit_draft_cost(state.draft_per_call[name])
 
 
 def judge_outputs(state: BenchState, model: torch.nn.Module) -> None:
