@@ -38,7 +38,7 @@ def test_plan_by_hand():
     # per conversation: regenerate (4 + 256*0.1)/64, capture 376*0.0004, train 3*376*0.0002
     per_conv = (4 + 25.6) / 64 + 376 * 0.0004 + 3 * 376 * 0.0002
     bench_per_prompt = 2 * (120 * 0.0004 + 128 * 0.01)
-    bench_fixed = bench_per_prompt + 40 * 0.01 * 2
+    bench_fixed = bench_per_prompt + 120 * 0.01  # a warm-up run per row, the bare step table
     prompts = int((0.2 * 1200 / 1.1 - bench_fixed) // bench_per_prompt)
     assert plan.bench_prompts == prompts
     left = 1200 / 1.1 - 20.0 - (bench_fixed + prompts * bench_per_prompt)
@@ -374,6 +374,20 @@ def test_layout_probe_is_priced_for_auto_only():
     assert B.layout_probe_seconds(FAST, auto) == pytest.approx(4 * (prefill + steps * FAST.decode_per_token))
     assert B.layout_probe_seconds(FAST, BenchSettings(weight_layout="out-in")) == 0.0
     assert B.layout_probe_seconds(FAST, BenchSettings(compile=True)) == 0.0  # compiled: nothing to probe
+
+
+def test_price_calibration_counts_every_draft_precision_and_k():
+    """The bench's in-situ calibration: 3 passes, each a plain decode and one per draft, precision and k
+    (k = 1 always among them), of up to 64 tokens, each with its prompt's prefill."""
+    from draftsmith.bench import BenchSettings
+
+    one = FAST.prompt_tokens * FAST.capture_per_token + 64 * FAST.decode_per_token
+    two = BenchSettings(num_draft_tokens=[2, 3], max_new_tokens=128, draft_precision=["as-loaded", "int8"])
+    assert B.calibration_seconds(FAST, two, drafts=1) == pytest.approx(3 * (1 + 2 * 3) * one)
+    assert B.calibration_seconds(FAST, two, drafts=2) == pytest.approx(3 * (1 + 2 * 2 * 3) * one)
+    short = BenchSettings(num_draft_tokens=[1], max_new_tokens=32)
+    assert B.calibration_seconds(FAST, short, drafts=1) == pytest.approx(
+        3 * 2 * (FAST.prompt_tokens * FAST.capture_per_token + 32 * FAST.decode_per_token))
 
 
 def test_small_preset_chooses_k_and_plans_its_pilot(tmp_path):

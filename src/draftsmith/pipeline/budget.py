@@ -128,10 +128,23 @@ def bench_row_count(bench: Any, drafts: int) -> int:
 
 
 def bench_seconds(rates: Rates, prompts: int, max_new_tokens: int, rows: int, repeats: int) -> float:
-    """A bench run: every row decodes every prompt (plus one warm-up per row and the cost probes)."""
+    """A bench run: every row decodes every prompt (plus one warm-up per row and the bare step table;
+    the in-situ calibration is :func:`calibration_seconds`)."""
     per_run = (rates.prompt_tokens * rates.capture_per_token + max_new_tokens * rates.decode_per_token)
-    probes = 40 * rates.decode_per_token * rows  # verify-cost probes and draft calibration, ~40 steps per row
+    probes = 120 * rates.decode_per_token  # the bare table: 11 timings of each of 9 lengths, ~120 steps' worth
     return rows * per_run * (prompts * repeats + 1) + probes
+
+
+def calibration_seconds(rates: Rates, bench: Any, drafts: int) -> float:
+    """The bench's in-situ price calibration (:func:`draftsmith.bench.measure.measure_costs`): its
+    passes decode up to ``CALIBRATION_TOKENS`` tokens plainly and with each draft at each precision
+    and each k, priced at the plain decode's rate (a draft's tokens come no dearer)."""
+    from draftsmith.bench.measure import CALIBRATION_PASSES, CALIBRATION_TOKENS
+
+    runs = 1 + drafts * len(bench.draft_precision) * len(set([1, *bench.num_draft_tokens]))
+    tokens = min(bench.max_new_tokens, CALIBRATION_TOKENS)
+    return CALIBRATION_PASSES * runs * (rates.prompt_tokens * rates.capture_per_token
+                                        + tokens * rates.decode_per_token)
 
 
 def pilot_seconds(rates: Rates, bench: Any, drafts: int) -> float:
@@ -171,7 +184,8 @@ def make_plan(budget_minutes: float, rates: Rates, *, max_new_tokens: int, epoch
     conversations is what remains divided by one conversation's regeneration, capture and
     training cost. ``bench_compile_seconds`` is reserved for compiling the bench's steps once,
     ``bench_pilot_seconds`` for what the bench runs before timing (``bench.choose_k``'s pilot decode,
-    :func:`pilot_seconds`, and the weight-layout probe, :func:`layout_probe_seconds`); the
+    :func:`pilot_seconds`, the weight-layout probe, :func:`layout_probe_seconds`, and the price
+    calibration, :func:`calibration_seconds`); the
     bench gets at most ``max_prompts`` prompts.
 
     Raises:
@@ -438,7 +452,7 @@ def plan_for(cfg: Any, v: Any, vd: Any, out: Path, say: Any = print) -> Plan:
                      min_prompts=(MIN_BENCH_PROMPTS if len(cfg.bench.num_draft_tokens) == 1 or cfg.bench.choose_k
                                   else 2 * MIN_JUDGED_PROMPTS),
                      bench_compile_seconds=compile_s, bench_pilot_seconds=pilot_seconds(rates, cfg.bench, drafts)
-                     + layout_probe_seconds(rates, cfg.bench),
+                     + layout_probe_seconds(rates, cfg.bench) + calibration_seconds(rates, cfg.bench, drafts),
                      max_prompts=MAX_BENCH_PROMPTS - (cfg.bench.pilot_prompts if cfg.bench.choose_k else 0))
     save_plan(path, key, plan)
     return plan
