@@ -285,6 +285,7 @@ def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
             be["t_verify_seconds"]["1"] <= be["t_verify_seconds"]["2"]  # (pooled only where T(2) < T(1))
         assert {"2", "3", "4"} <= set(be["verify_in_situ_samples"]), be["verify_in_situ_samples"]
         assert len(be["t_verify_seconds"]) == 9
+        assert all(m["priced_by_rows"] > 0 for m in be["measured"].values())  # CPU rows time their steps
     # measured with the weights held [in, out] (every row still lossless, above), put back as loaded
     assert report["provenance"]["weight_layout"] == "in-out"
     assert all(p.is_contiguous() for p in tiny.parameters())
@@ -482,6 +483,31 @@ def test_in_situ_prices_replace_the_bare_table_where_measured():
     # a plain loop dearer than the rounds' verify would price drafting below nothing: pooled, non-decreasing
     t = costmodel.in_situ_prices(table, [0.040] * 20, {2: [0.032] * 10})
     assert t[1] == t[2] == pytest.approx(0.036) and t[3] > t[2]
+
+
+def test_the_rows_own_step_prices_give_a_second_prediction():
+    """report._priced_by_rows: the plain row's one-token steps and the drafter row's verify forwards
+    and propose calls (each run's first call left out) price its k; known answer, and a control whose
+    verifies cost twice as much predicts less."""
+    from draftsmith.bench.measure import BenchState, Row, RunResult
+
+    rows = [Row("plain (ours)", "plain", None), Row("d k=1", "drafter", None, drafter="d", k=1)]
+
+    def state(verify_s):
+        st = BenchState(rows, [("p0", [1]), ("p1", [2])])
+        for p in range(2):
+            st.results[(0, p)] = [RunResult([0] * 9, 1.0, {"step_seconds": {1: [0.020] * 8}})]
+            st.results[(1, p)] = [RunResult([0] * 9, 1.0, {"step_seconds": {2: [verify_s] * 6}},
+                                            draft_calls=[(1, 1, 0.5)] + [(1, 1, 0.002)] * 5)]
+        return st
+
+    profile = DrafterProfile(1, [0.4], [0, 10])
+    table = CostModel({1: 0.030, 2: 0.040, 3: 0.045})
+    got = bench_report._priced_by_rows(state(0.025), "d", profile, table)
+    assert got[1] == pytest.approx(1.4 * 0.020 / (0.025 + 0.002))  # the first call (0.5 s, a prefill) left out
+    slower = bench_report._priced_by_rows(state(0.050), "d", profile, table)
+    assert slower[1] == pytest.approx(1.4 * 0.020 / (0.050 + 0.002)) and slower[1] < got[1]
+    assert bench_report._priced_by_rows(state(0.025), "other", profile, table) == {}
 
 
 def test_monotone_fit_pools_violators():

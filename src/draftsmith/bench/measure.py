@@ -179,9 +179,12 @@ class Row:
             return self._hf(ids, max_new_tokens, temperature, seed), None, []
         from draftsmith.decoding.engine import generate
 
-        rec = RecordingProposer(self.proposer) if self.proposer is not None else None
+        # On a CPU, each step is timed too (two clock reads; the rows' own step prices, see
+        # report._break_even); on CUDA that would take a device sync per step, so not there.
+        timed = ids.device.type != "cuda"
+        rec = RecordingProposer(self.proposer, timing=timed) if self.proposer is not None else None
         out = generate(self.model, ids, proposer=rec, max_new_tokens=max_new_tokens, temperature=temperature,
-                       num_draft_tokens=self.k or 1, seed=seed, compile=self.compile)
+                       num_draft_tokens=self.k or 1, seed=seed, compile=self.compile, time_steps=timed)
         return out.token_ids, out.stats, rec.calls if rec is not None else []
 
     def _hf(self, ids: torch.Tensor, max_new_tokens: int, temperature: float, seed: int) -> list[int]:

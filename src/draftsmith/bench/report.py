@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from draftsmith.bench.costmodel import (DrafterProfile, best_k, break_even_alpha, limiting_term, predict,
-                                        trimmed_mean)
+from draftsmith.bench.costmodel import (DrafterProfile, best_k, break_even_alpha, in_situ_prices, limiting_term,
+                                        predict, trimmed_mean)
 from draftsmith.bench.measure import (BenchState, RunResult, baseline_index, environment, load_average,
                                       reference_index)
 from draftsmith.bench.stats import bootstrap_ci, paired_ratios, summarize
@@ -157,6 +157,7 @@ def _break_even(state: BenchState, rows: list[dict[str, Any]], cfg: BenchConfig)
         preds = [predict(profile, costs, k) for k in range(1, max(max(cfg.num_draft_tokens), 8) + 1)]
         best = best_k([p for p in preds if not p.extrapolated] or preds)
         measured = {r["k"]: r for r in mine if r["speedup"]["median"] is not None}
+        from_rows = _priced_by_rows(state, name, profile, costs)
         main = max(measured.values(), key=lambda r: r["speedup"]["median"]) if measured else None
         entry: dict[str, Any] = {
             "basis_k": basis["k"], "draft_fixed_seconds": costs.draft_fixed,
@@ -168,7 +169,8 @@ def _break_even(state: BenchState, rows: list[dict[str, Any]], cfg: BenchConfig)
             "predicted": [dataclasses.asdict(p) for p in preds],
             "best_k": best.k, "best_k_predicted_speedup": best.speedup,
             "measured": {str(k): {"speedup": r["speedup"]["median"], "ci95": r["speedup"]["ci95"],
-                                  "predicted": preds[k - 1].speedup if k <= len(preds) else None}
+                                  "predicted": preds[k - 1].speedup if k <= len(preds) else None,
+                                  "priced_by_rows": from_rows.get(k)}
                          for k, r in measured.items()},
         }
         if main is not None:
@@ -187,6 +189,38 @@ def _break_even(state: BenchState, rows: list[dict[str, Any]], cfg: BenchConfig)
                 "measured_alpha": main["acceptance"]["acceptance_rate"],
             })
         out[name] = entry
+    return out
+
+
+def _priced_by_rows(state: BenchState, name: str, profile: DrafterProfile, costs: Any) -> dict[int, float]:
+    """Drafter ``name``'s speedup at each timed k, predicted as the calibrated one is but with the
+    step prices the timed rows themselves paid (CPU rows time their steps): the plain row's
+    one-token steps, this row's verify forwards and propose calls, pooled over its prompts.
+
+    Beside the calibrated prediction it separates the two reasons a measurement can miss one:
+    a host whose speed drifted between the calibration and the rows (the calibrated one misses,
+    this one does not), and work the engine does between its steps (both miss).
+    """
+    plain = next((i for i, r in enumerate(state.rows) if r.kind == "plain" and r.quant is None), None)
+    if plain is None:
+        return {}
+    t1 = [t for (r, _), runs in state.results.items() if r == plain for x in runs
+          for t in ((x.stats or {}).get("step_seconds") or {}).get(1, [])]
+    out: dict[int, float] = {}
+    for i, row in enumerate(state.rows):
+        if row.drafter != name or row.quant is not None or row.kind != "drafter" or not row.k:
+            continue
+        runs = [x for (r, _), xs in state.results.items() if r == i for x in xs]
+        verify: dict[int, list[float]] = {}
+        for x in runs:
+            for n, v in ((x.stats or {}).get("step_seconds") or {}).items():
+                verify.setdefault(int(n), []).extend(v)
+        calls = [s for x in runs for req, _, s in x.draft_calls[1:] if req == row.k and s > 0]
+        if not t1 or not verify or not calls:
+            continue
+        priced = dataclasses.replace(costs, t_verify=in_situ_prices(costs.t_verify, t1, verify),
+                                     draft_fixed=0.0, draft_per_token=trimmed_mean(calls) / row.k)
+        out[row.k] = predict(profile, priced, row.k).speedup
     return out
 
 
@@ -451,8 +485,10 @@ def render_markdown(report: dict[str, Any]) -> str:
             head = f"this draft makes decoding slower by {100 * (1 - s):.0f}% ({s:.2f}x at k={k})"
         else:
             head = f"{s:.2f}x at k={k}"
-        line = (f"- **{name}**: {head}, predicted {pred:.2f}x; best predicted k = {be['best_k']} "
-                f"({be['best_k_predicted_speedup']:.2f}x). ")
+        by_rows = be["measured"][str(k)].get("priced_by_rows")
+        line = (f"- **{name}**: {head}, predicted {pred:.2f}x"
+                + (f" ({by_rows:.2f}x with the step prices the timed rows paid)" if by_rows else "")
+                + f"; best predicted k = {be['best_k']} ({be['best_k_predicted_speedup']:.2f}x). ")
         acc = next(r for r in report["rows"] if r["drafter"] == name and r["k"] == k
                    and r.get("engine", OURS) == OURS)["acceptance"]
         if acc["drafted_fraction"] is not None and acc["drafted_fraction"] < 0.999:
