@@ -309,6 +309,16 @@ def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
     wrong.update(measured_speedup=0.99)
     wrong["measured"][str(wrong["measured_k"])]["ci95"] = [0.95, 1.03]
     assert "wrong**: no measurable effect (0.99x [0.95-1.03] at k=" in bench_report.render_markdown(report)
+    # a calibration that saw another machine speed than the rows did is named; a close one is not
+    m = wrong["measured"][str(wrong["measured_k"])]
+    def wrong_line() -> str:
+        return next(li for li in bench_report.render_markdown(report).splitlines() if li.startswith("- **wrong**"))
+
+    m.update(predicted=0.90, priced_by_rows=1.00)
+    assert "(1.00x with the step prices the timed rows paid)" in wrong_line()
+    assert "prices and the timed rows' differ by 10%: the machine's speed changed" in wrong_line()
+    m.update(predicted=0.98)
+    assert "(1.00x with the step prices" in wrong_line() and "the machine's speed changed" not in wrong_line()
     assert "MISMATCH: ngram k=2 leaves plain decoding on 1 prompt(s)" in md and "a bug" in md
     assert "| ngram k=2 |" in md and " | 0 / 1 / 1 | " in md
     assert "ngram k=3 parts from plain decoding at a numerical tie on 1 prompt(s) (largest margin 0.125" in md

@@ -192,6 +192,11 @@ def _break_even(state: BenchState, rows: list[dict[str, Any]], cfg: BenchConfig)
     return out
 
 
+#: The report says the host drifted when the calibrated prediction and the one priced with the
+#: timed rows' own steps differ by more than this fraction
+DRIFT_NOTE = 0.05
+
+
 def _priced_by_rows(state: BenchState, name: str, profile: DrafterProfile, costs: Any) -> dict[int, float]:
     """Drafter ``name``'s speedup at each timed k, predicted as the calibrated one is but with the
     step prices the timed rows themselves paid (CPU rows time their steps): the plain row's
@@ -489,6 +494,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         line = (f"- **{name}**: {head}, predicted {pred:.2f}x"
                 + (f" ({by_rows:.2f}x with the step prices the timed rows paid)" if by_rows else "")
                 + f"; best predicted k = {be['best_k']} ({be['best_k_predicted_speedup']:.2f}x). ")
+        if by_rows and abs(pred / by_rows - 1) > DRIFT_NOTE:
+            line += (f"The calibration's step prices and the timed rows' differ by {100 * abs(pred / by_rows - 1):.0f}%: "
+                     "the machine's speed changed between them, so the prediction before timing (and a k chosen "
+                     "with it) rests on prices the rows did not pay. ")
         acc = next(r for r in report["rows"] if r["drafter"] == name and r["k"] == k
                    and r.get("engine", OURS) == OURS)["acceptance"]
         if acc["drafted_fraction"] is not None and acc["drafted_fraction"] < 0.999:
