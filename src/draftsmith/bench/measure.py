@@ -357,6 +357,12 @@ def measure_verify_costs(model: torch.nn.Module, context: Sequence[int], ns: Seq
     return monotone_fit({n: statistics.median(v) for n, v in times.items()})
 
 
+def pool_steps(pool: dict[int, list[float]], steps: Mapping[int, Sequence[float]]) -> None:
+    """Append a generation's ``stats["step_seconds"]`` (tokens verified -> seconds) to ``pool``."""
+    for n, v in steps.items():
+        pool.setdefault(int(n), []).extend(v)
+
+
 def time_drafter(model: torch.nn.Module, proposer: Proposer, prompt: Sequence[int], k: int, max_new_tokens: int,
                  temperature: float, seed: int, compile: bool = False,
                  on_compile: Callable[[float], None] | None = None) -> tuple[list[float], dict[int, list[float]]]:
@@ -389,8 +395,7 @@ def measure_draft_costs(model: torch.nn.Module, proposer: Proposer, prompt: Sequ
         times, steps = time_drafter(model, proposer, prompt, k, max_new_tokens, temperature, seed, compile,
                                     on_compile)
         if verify_seconds is not None:
-            for n, v in steps.items():
-                verify_seconds.setdefault(n, []).extend(v)
+            pool_steps(verify_seconds, steps)
         if times:
             out[k] = trimmed_mean(times)
     return out
@@ -688,8 +693,7 @@ def measure_costs(state: BenchState, proposers: dict[str, Proposer], ks: Sequenc
             times, steps = time_drafter(model, proposers[name], prompt, k, tokens, temperature, seed, compile,
                                         on_compile=compiled)
             calls[name].setdefault(k, []).extend(times)
-            for n, v in steps.items():
-                state.verify_steps[name].setdefault(n, []).extend(v)
+            pool_steps(state.verify_steps[name], steps)
     for name in proposers:
         state.draft_per_call[name] = {k: trimmed_mean(v) for k, v in sorted(calls[name].items()) if v}
         state.draft_fit[name] = fit_draft_cost(state.draft_per_call[name])

@@ -13,7 +13,7 @@ import numpy as np
 from draftsmith.bench.costmodel import (DrafterProfile, best_k, break_even_alpha, in_situ_prices, limiting_term,
                                         predict, trimmed_mean)
 from draftsmith.bench.measure import (BenchState, RunResult, baseline_index, environment, load_average,
-                                      reference_index)
+                                      pool_steps, reference_index)
 from draftsmith.bench.stats import bootstrap_ci, paired_ratios, summarize
 from draftsmith.bench.verdict import TIE_ULPS, count_kinds
 from draftsmith.config import to_dict
@@ -218,8 +218,7 @@ def _priced_by_rows(state: BenchState, name: str, profile: DrafterProfile, costs
         runs = [x for (r, _), xs in state.results.items() if r == i for x in xs]
         verify: dict[int, list[float]] = {}
         for x in runs:
-            for n, v in ((x.stats or {}).get("step_seconds") or {}).items():
-                verify.setdefault(int(n), []).extend(v)
+            pool_steps(verify, (x.stats or {}).get("step_seconds") or {})
         calls = [s for x in runs for req, _, s in x.draft_calls[1:] if req == row.k and s > 0]
         if not t1 or not verify or not calls:
             continue
