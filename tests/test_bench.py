@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from draftsmith.bench import costmodel, measure, report as bench_report
 from draftsmith.bench.costmodel import (CostModel, DrafterProfile, best_k, break_even_alpha, expected_tokens,
                                         limiting_term, predict, predicted_speedup)
 from draftsmith.bench.measure import Row, timed_run
-from draftsmith.bench.stats import bootstrap_ci, paired_ratios, summarize
+from draftsmith.bench.stats import bootstrap_ci, paired_ratios, pooled_ratio, summarize
 from draftsmith.decoding.proposers import DraftModelProposer, NgramProposer, Proposal, Proposer
 from draftsmith.errors import DraftsmithError
 
@@ -146,6 +147,21 @@ def test_paired_ratio_and_bootstrap_known_answers():
     with pytest.raises(ValueError):
         paired_ratios([1.0], [1.0, 2.0])
     assert summarize([1, 2, 3, 4, 5]) == {"median": 3.0, "p25": 2.0, "p75": 4.0, "min": 1.0, "max": 5.0, "n": 5}
+
+
+def test_pooled_ratio_weighs_prompts_by_time():
+    """Total throughput over the prompts: known answers, and the median of per-prompt ratios as its control."""
+    plain = [(100, 4.0), (100, 4.0), (100, 4.0)]
+    assert pooled_ratio([(100, 2.0)] * 3, plain) == pytest.approx(2.0)
+    # different token counts per row (a quantized verifier's replies) pool as throughputs: 330/6 over 300/12
+    assert pooled_ratio([(110, 2.0)] * 3, plain) == pytest.approx(2.2)
+    # two prompts 1.25x faster, one (a long, slow reply) 0.5x: the median says 1.25x, the total time 0.8x
+    plain = [(100, 1.0), (100, 1.0), (100, 8.0)]
+    drafted = [(100, 0.8), (100, 0.8), (100, 16.0)]
+    assert float(np.median(paired_ratios([t / s for t, s in drafted], [t / s for t, s in plain]))) == pytest.approx(1.25)
+    assert pooled_ratio(drafted, plain) == pytest.approx(10.0 / 17.6)
+    with pytest.raises(ValueError):
+        pooled_ratio([(1, 1.0)], [])
 
 
 def test_unpaired_ratio_is_a_negative_control():
@@ -286,6 +302,19 @@ def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
         assert {"2", "3", "4"} <= set(be["verify_in_situ_samples"]), be["verify_in_situ_samples"]
         assert len(be["t_verify_seconds"]) == 9
         assert all(m["priced_by_rows"] > 0 for m in be["measured"].values())  # CPU rows time their steps
+        f = be["factors"]  # measured over predicted, pooled throughput on both sides
+        k = str(be["measured_k"])
+        assert f["engine overhead (measured/predicted)"] == pytest.approx(
+            be["measured"][k]["pooled"] / be["measured"][k]["predicted"])
+        assert f["engine overhead at the rows' prices"] == pytest.approx(
+            be["measured"][k]["pooled"] / be["measured"][k]["priced_by_rows"])
+    for r in report["rows"]:  # total throughput over the prompts, beside the median of per-prompt ratios
+        s = r["speedup"]
+        base = next(x for x in report["rows"] if x["name"] == "plain (ours)")
+        tok = {p["prompt"]: p["new_tokens"] for p in base["per_prompt"]}
+        assert s["pooled"] == pytest.approx(
+            sum(p["new_tokens"] for p in r["per_prompt"]) / sum(statistics.median(p["seconds"]) for p in r["per_prompt"])
+            / (sum(tok.values()) / sum(statistics.median(p["seconds"]) for p in base["per_prompt"])))
     # measured with the weights held [in, out] (every row still lossless, above), put back as loaded
     assert report["provenance"]["weight_layout"] == "in-out"
     assert all(p.is_contiguous() for p in tiny.parameters())
@@ -314,8 +343,8 @@ def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
     def wrong_line() -> str:
         return next(li for li in bench_report.render_markdown(report).splitlines() if li.startswith("- **wrong**"))
 
-    m.update(predicted=0.90, priced_by_rows=1.00)
-    assert "(1.00x with the step prices the timed rows paid)" in wrong_line()
+    m.update(predicted=0.90, priced_by_rows=1.00, pooled=1.01)
+    assert "(1.00x with the step prices the timed rows paid) for 1.01x measured over all prompts pooled" in wrong_line()
     assert "prices and the timed rows' differ by 10%: the machine's speed changed" in wrong_line()
     m.update(predicted=0.98)
     assert "(1.00x with the step prices" in wrong_line() and "the machine's speed changed" not in wrong_line()

@@ -14,7 +14,7 @@ from draftsmith.bench.costmodel import (DrafterProfile, best_k, break_even_alpha
                                         predict, trimmed_mean)
 from draftsmith.bench.measure import (BenchState, RunResult, baseline_index, environment, load_average,
                                       pool_steps, reference_index)
-from draftsmith.bench.stats import bootstrap_ci, paired_ratios, summarize
+from draftsmith.bench.stats import bootstrap_ci, paired_ratios, pooled_ratio, summarize
 from draftsmith.bench.verdict import TIE_ULPS, count_kinds
 from draftsmith.config import to_dict
 from draftsmith.engines import OURS
@@ -77,13 +77,19 @@ def _row_report(state: BenchState, r: int, cfg: BenchConfig) -> dict[str, Any] |
     paired = [p for p in done if p in base]
     runs = [x for p in done for x in state.results[(r, p)]]
     ratios = paired_ratios([tps[p] for p in paired], [base[p] for p in paired])
+    # (tokens, seconds at the prompt's median rate) per prompt, for the pooled ratio
+    work = {rr: {p: (len(state.results[(rr, p)][0].token_ids), len(state.results[(rr, p)][0].token_ids) / rate[p])
+                 for p in paired} for rr, rate in ((r, tps), (b0, base))}
     out: dict[str, Any] = {
         "name": row.name, "kind": row.kind, "drafter": row.drafter, "k": row.k, "engine": row.engine,
         "quant": row.quant, "reference": state.rows[ref].name,
         "tokens_per_second": summarize(list(tps.values())),
         "speedup": {"median": float(np.median(ratios)) if ratios else None,
                     "ci95": list(bootstrap_ci(ratios, n_resamples=cfg.bootstrap, seed=cfg.seed)) if ratios else None,
-                    "n": len(ratios), "per_prompt": ratios, "prompts": [state.prompts[p][0] for p in paired]},
+                    "n": len(ratios), "per_prompt": ratios, "prompts": [state.prompts[p][0] for p in paired],
+                    # total throughput over the same prompts: what the cost model's prediction is compared with
+                    "pooled": pooled_ratio([work[r][p] for p in paired], [work[b0][p] for p in paired])
+                    if paired else None},
         "identical_output_rate": None, "identical_prompts": None, "outputs": None,
         "peak_rss_bytes": max((x.peak_rss for x in runs if x.peak_rss is not None), default=None),
         "peak_cuda_bytes": max((x.peak_cuda for x in runs if x.peak_cuda is not None), default=None),
@@ -169,6 +175,7 @@ def _break_even(state: BenchState, rows: list[dict[str, Any]], cfg: BenchConfig)
             "predicted": [dataclasses.asdict(p) for p in preds],
             "best_k": best.k, "best_k_predicted_speedup": best.speedup,
             "measured": {str(k): {"speedup": r["speedup"]["median"], "ci95": r["speedup"]["ci95"],
+                                  "pooled": r["speedup"].get("pooled"),
                                   "predicted": preds[k - 1].speedup if k <= len(preds) else None,
                                   "priced_by_rows": from_rows.get(k)}
                          for k, r in measured.items()},
@@ -177,10 +184,15 @@ def _break_even(state: BenchState, rows: list[dict[str, Any]], cfg: BenchConfig)
             k = main["k"]
             pred = preds[k - 1]
             s = main["speedup"]["median"]
+            # the model predicts pooled throughput (pooled acceptance, mean prices): compare like with like
+            pooled = main["speedup"].get("pooled") or s
+            by_rows = from_rows.get(k)
             entry.update({
                 "measured_k": k, "measured_speedup": s,
                 "factors": {"ideal": k + 1, "acceptance": pred.acceptance, "verify cost": pred.verify,
-                            "draft cost": pred.draft, "engine overhead (measured/predicted)": s / pred.speedup},
+                            "draft cost": pred.draft, "engine overhead (measured/predicted)": pooled / pred.speedup,
+                            # the same with the prices the timed rows paid: what is left is work between steps
+                            "engine overhead at the rows' prices": pooled / by_rows if by_rows else None},
                 "held_back_by": limiting_term(pred),
                 "meets_target": s >= cfg.target_speedup,
                 "below_break_even": s < 1.0,
@@ -490,8 +502,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         else:
             head = f"{s:.2f}x at k={k}"
         by_rows = be["measured"][str(k)].get("priced_by_rows")
+        pooled = be["measured"][str(k)].get("pooled")
         line = (f"- **{name}**: {head}, predicted {pred:.2f}x"
                 + (f" ({by_rows:.2f}x with the step prices the timed rows paid)" if by_rows else "")
+                + (f" for {pooled:.2f}x measured over all prompts pooled" if pooled else "")
                 + f"; best predicted k = {be['best_k']} ({be['best_k_predicted_speedup']:.2f}x). ")
         if by_rows and abs(pred / by_rows - 1) > DRIFT_NOTE:
             line += (f"The calibration's step prices and the timed rows' differ by {100 * abs(pred / by_rows - 1):.0f}%: "

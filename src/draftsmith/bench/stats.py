@@ -27,6 +27,21 @@ def paired_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> l
     return [float(n) / float(d) for n, d in zip(numerator, denominator)]
 
 
+def pooled_ratio(numerator: Sequence[tuple[float, float]], denominator: Sequence[tuple[float, float]]) -> float:
+    """Ratio of two rows' pooled throughputs over the same prompts, from ``(tokens, seconds)`` per prompt:
+    ``(sum tokens / sum seconds)`` of the numerator over that of the denominator.
+
+    Prompts weigh by their time, as total time over a whole set of prompts does. This is what a
+    cost model built from pooled acceptance and mean step prices predicts, where the median of
+    :func:`paired_ratios` is the robust summary of per-prompt effects (and moves with each prompt's
+    own drift: several percent apart from this on a shared host, BENCHMARKS.md 9x).
+    """
+    if len(numerator) != len(denominator) or not numerator:
+        raise ValueError(f"a pooled ratio needs equal, non-empty lengths, got {len(numerator)} and {len(denominator)}")
+    rate = [sum(t for t, _ in side) / sum(s for _, s in side) for side in (numerator, denominator)]
+    return rate[0] / rate[1]
+
+
 def bootstrap_ci(values: Sequence[float], statistic: Callable[[np.ndarray], Any] = np.median,
                  n_resamples: int = 2000, confidence: float = 0.95, seed: int = 0) -> tuple[float, float]:
     """Percentile-bootstrap interval of ``statistic`` over ``values``.
