@@ -302,6 +302,7 @@ def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
         assert {"2", "3", "4"} <= set(be["verify_in_situ_samples"]), be["verify_in_situ_samples"]
         assert len(be["t_verify_seconds"]) == 9
         assert all(m["priced_by_rows"] > 0 for m in be["measured"].values())  # CPU rows time their steps
+        assert all(m["rows_prices"]["t1"] > 0 and m["calibration_prices"]["t_verify"] > 0 for m in be["measured"].values())
         f = be["factors"]  # measured over predicted, pooled throughput on both sides
         k = str(be["measured_k"])
         assert f["engine overhead (measured/predicted)"] == pytest.approx(
@@ -345,7 +346,11 @@ def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
 
     m.update(predicted=0.90, priced_by_rows=1.00, pooled=1.01)
     assert "(1.00x with the step prices the timed rows paid) for 1.01x measured over all prompts pooled" in wrong_line()
-    assert "prices and the timed rows' differ by 10%: the machine's speed changed" in wrong_line()
+    assert "prices and the timed rows' differ by 10%" in wrong_line() and "the machine's speed changed" in wrong_line()
+    kk = wrong["measured_k"] + 1
+    m.update(calibration_prices={"t1": 0.020, "t_verify": 0.026, "propose": 0.001},
+             rows_prices={"t1": 0.020, "t_verify": 0.024, "propose": 0.001})
+    assert f"(T_verify({kk}) / T(1): 1.30 in the calibration, 1.20 in the rows): the machine's" in wrong_line()
     m.update(predicted=0.98)
     assert "(1.00x with the step prices" in wrong_line() and "the machine's speed changed" not in wrong_line()
     assert "MISMATCH: ngram k=2 leaves plain decoding on 1 prompt(s)" in md and "a bug" in md
@@ -543,9 +548,11 @@ def test_the_rows_own_step_prices_give_a_second_prediction():
     profile = DrafterProfile(1, [0.4], [0, 10])
     table = CostModel({1: 0.030, 2: 0.040, 3: 0.045})
     got = bench_report._priced_by_rows(state(0.025), "d", profile, table)
-    assert got[1] == pytest.approx(1.4 * 0.020 / (0.025 + 0.002))  # the first call (0.5 s, a prefill) left out
+    assert got[1]["speedup"] == pytest.approx(1.4 * 0.020 / (0.025 + 0.002))  # the first call (0.5 s, a prefill) left out
+    assert got[1]["t1"] == pytest.approx(0.020) and got[1]["t_verify"] == pytest.approx(0.025)
+    assert got[1]["propose"] == pytest.approx(0.002)
     slower = bench_report._priced_by_rows(state(0.050), "d", profile, table)
-    assert slower[1] == pytest.approx(1.4 * 0.020 / (0.050 + 0.002)) and slower[1] < got[1]
+    assert slower[1]["speedup"] == pytest.approx(1.4 * 0.020 / (0.050 + 0.002)) and slower[1]["speedup"] < got[1]["speedup"]
     assert bench_report._priced_by_rows(state(0.025), "other", profile, table) == {}
 
 

@@ -177,7 +177,11 @@ def _break_even(state: BenchState, rows: list[dict[str, Any]], cfg: BenchConfig)
             "measured": {str(k): {"speedup": r["speedup"]["median"], "ci95": r["speedup"]["ci95"],
                                   "pooled": r["speedup"].get("pooled"),
                                   "predicted": preds[k - 1].speedup if k <= len(preds) else None,
-                                  "priced_by_rows": from_rows.get(k)}
+                                  "priced_by_rows": from_rows[k]["speedup"] if k in from_rows else None,
+                                  # those prices, beside the calibration's for the same round
+                                  "rows_prices": from_rows[k] if k in from_rows else None,
+                                  "calibration_prices": {"t1": costs.t1, "t_verify": costs.verify(k + 1),
+                                                         "propose": costs.draft(k)}}
                          for k, r in measured.items()},
         }
         if main is not None:
@@ -186,7 +190,7 @@ def _break_even(state: BenchState, rows: list[dict[str, Any]], cfg: BenchConfig)
             s = main["speedup"]["median"]
             # the model predicts pooled throughput (pooled acceptance, mean prices): compare like with like
             pooled = main["speedup"].get("pooled") or s
-            by_rows = from_rows.get(k)
+            by_rows = from_rows[k]["speedup"] if k in from_rows else None
             entry.update({
                 "measured_k": k, "measured_speedup": s,
                 "factors": {"ideal": k + 1, "acceptance": pred.acceptance, "verify cost": pred.verify,
@@ -209,10 +213,11 @@ def _break_even(state: BenchState, rows: list[dict[str, Any]], cfg: BenchConfig)
 DRIFT_NOTE = 0.05
 
 
-def _priced_by_rows(state: BenchState, name: str, profile: DrafterProfile, costs: Any) -> dict[int, float]:
+def _priced_by_rows(state: BenchState, name: str, profile: DrafterProfile, costs: Any) -> dict[int, dict[str, Any]]:
     """Drafter ``name``'s speedup at each timed k, predicted as the calibrated one is but with the
     step prices the timed rows themselves paid (CPU rows time their steps): the plain row's
     one-token steps, this row's verify forwards and propose calls, pooled over its prompts.
+    Per k: ``{"speedup", "t1", "t_verify", "propose"}`` (seconds; ``t_verify`` of k + 1 tokens).
 
     Beside the calibrated prediction it separates the two reasons a measurement can miss one:
     a host whose speed drifted between the calibration and the rows (the calibrated one misses,
@@ -223,7 +228,7 @@ def _priced_by_rows(state: BenchState, name: str, profile: DrafterProfile, costs
         return {}
     t1 = [t for (r, _), runs in state.results.items() if r == plain for x in runs
           for t in ((x.stats or {}).get("step_seconds") or {}).get(1, [])]
-    out: dict[int, float] = {}
+    out: dict[int, dict[str, Any]] = {}
     for i, row in enumerate(state.rows):
         if row.drafter != name or row.quant is not None or row.kind != "drafter" or not row.k:
             continue
@@ -236,7 +241,8 @@ def _priced_by_rows(state: BenchState, name: str, profile: DrafterProfile, costs
             continue
         priced = dataclasses.replace(costs, t_verify=in_situ_prices(costs.t_verify, t1, verify),
                                      draft_fixed=0.0, draft_per_token=trimmed_mean(calls) / row.k)
-        out[row.k] = predict(profile, priced, row.k).speedup
+        out[row.k] = {"speedup": predict(profile, priced, row.k).speedup, "t1": priced.t1,
+                      "t_verify": priced.verify(row.k + 1), "propose": priced.draft(row.k)}
     return out
 
 
@@ -508,9 +514,12 @@ def render_markdown(report: dict[str, Any]) -> str:
                 + (f" for {pooled:.2f}x measured over all prompts pooled" if pooled else "")
                 + f"; best predicted k = {be['best_k']} ({be['best_k_predicted_speedup']:.2f}x). ")
         if by_rows and abs(pred / by_rows - 1) > DRIFT_NOTE:
-            line += (f"The calibration's step prices and the timed rows' differ by {100 * abs(pred / by_rows - 1):.0f}%: "
-                     "the machine's speed changed between them, so the prediction before timing (and a k chosen "
-                     "with it) rests on prices the rows did not pay. ")
+            c, r = be["measured"][str(k)].get("calibration_prices"), be["measured"][str(k)].get("rows_prices")
+            ratio = (f" (T_verify({k + 1}) / T(1): {c['t_verify'] / c['t1']:.2f} in the calibration, "
+                     f"{r['t_verify'] / r['t1']:.2f} in the rows)") if c and r else ""
+            line += (f"The calibration's step prices and the timed rows' differ by {100 * abs(pred / by_rows - 1):.0f}%"
+                     f"{ratio}: the machine's speed changed between them, so the prediction before timing (and a k "
+                     "chosen with it) rests on prices the rows did not pay. ")
         acc = next(r for r in report["rows"] if r["drafter"] == name and r["k"] == k
                    and r.get("engine", OURS) == OURS)["acceptance"]
         if acc["drafted_fraction"] is not None and acc["drafted_fraction"] < 0.999:
