@@ -51,6 +51,9 @@ def main() -> None:
 
     if args.static_counts:
         torch._dynamo.mark_dynamic = lambda *a, **k: None  # the step marks a verify's length dynamic
+        # and dynamo makes a dimension dynamic by itself the second time its size changes (found in
+        # BENCHMARKS 9x: before this line, 9r's "per token count" graphs were dynamic from the 2nd on)
+        torch._dynamo.config.automatic_dynamic_shapes = False
     model, _, fp = load_verifier(args.verifier, dtype="float32", device="cpu")
     V = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
