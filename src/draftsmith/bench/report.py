@@ -179,7 +179,8 @@ def _break_even(state: BenchState, rows: list[dict[str, Any]], cfg: BenchConfig)
                                   "predicted": preds[k - 1].speedup if k <= len(preds) else None,
                                   "priced_by_rows": from_rows[k]["speedup"] if k in from_rows else None,
                                   # those prices, beside the calibration's for the same round
-                                  "rows_prices": from_rows[k] if k in from_rows else None,
+                                  "rows_prices": ({n: v for n, v in from_rows[k].items() if n != "speedup"}
+                                                  if k in from_rows else None),
                                   "calibration_prices": {"t1": costs.t1, "t_verify": costs.verify(k + 1),
                                                          "propose": costs.draft(k)}}
                          for k, r in measured.items()},
