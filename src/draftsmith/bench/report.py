@@ -77,9 +77,9 @@ def _row_report(state: BenchState, r: int, cfg: BenchConfig) -> dict[str, Any] |
     paired = [p for p in done if p in base]
     runs = [x for p in done for x in state.results[(r, p)]]
     ratios = paired_ratios([tps[p] for p in paired], [base[p] for p in paired])
-    # (tokens, seconds at the prompt's median rate) per prompt, for the pooled ratio
-    work = {rr: {p: (len(state.results[(rr, p)][0].token_ids), len(state.results[(rr, p)][0].token_ids) / rate[p])
-                 for p in paired} for rr, rate in ((r, tps), (b0, base))}
+    def work(i: int, rate: dict[int, float]) -> list[tuple[int, float]]:  # (tokens, seconds at the median rate)
+        return [(n, n / rate[p]) for p in paired for n in (len(state.results[(i, p)][0].token_ids),)]
+
     out: dict[str, Any] = {
         "name": row.name, "kind": row.kind, "drafter": row.drafter, "k": row.k, "engine": row.engine,
         "quant": row.quant, "reference": state.rows[ref].name,
@@ -88,8 +88,7 @@ def _row_report(state: BenchState, r: int, cfg: BenchConfig) -> dict[str, Any] |
                     "ci95": list(bootstrap_ci(ratios, n_resamples=cfg.bootstrap, seed=cfg.seed)) if ratios else None,
                     "n": len(ratios), "per_prompt": ratios, "prompts": [state.prompts[p][0] for p in paired],
                     # total throughput over the same prompts: what the cost model's prediction is compared with
-                    "pooled": pooled_ratio([work[r][p] for p in paired], [work[b0][p] for p in paired])
-                    if paired else None},
+                    "pooled": pooled_ratio(work(r, tps), work(b0, base)) if paired else None},
         "identical_output_rate": None, "identical_prompts": None, "outputs": None,
         "peak_rss_bytes": max((x.peak_rss for x in runs if x.peak_rss is not None), default=None),
         "peak_cuda_bytes": max((x.peak_cuda for x in runs if x.peak_cuda is not None), default=None),
@@ -177,10 +176,10 @@ def _break_even(state: BenchState, rows: list[dict[str, Any]], cfg: BenchConfig)
             "measured": {str(k): {"speedup": r["speedup"]["median"], "ci95": r["speedup"]["ci95"],
                                   "pooled": r["speedup"].get("pooled"),
                                   "predicted": preds[k - 1].speedup if k <= len(preds) else None,
-                                  "priced_by_rows": from_rows[k]["speedup"] if k in from_rows else None,
+                                  "priced_by_rows": from_rows.get(k, {}).get("speedup"),
                                   # those prices, beside the calibration's for the same round
-                                  "rows_prices": ({n: v for n, v in from_rows[k].items() if n != "speedup"}
-                                                  if k in from_rows else None),
+                                  "rows_prices": {n: v for n, v in from_rows[k].items() if n != "speedup"}
+                                  if k in from_rows else None,
                                   "calibration_prices": {"t1": costs.t1, "t_verify": costs.verify(k + 1),
                                                          "propose": costs.draft(k)}}
                          for k, r in measured.items()},
@@ -191,7 +190,7 @@ def _break_even(state: BenchState, rows: list[dict[str, Any]], cfg: BenchConfig)
             s = main["speedup"]["median"]
             # the model predicts pooled throughput (pooled acceptance, mean prices): compare like with like
             pooled = main["speedup"].get("pooled") or s
-            by_rows = from_rows[k]["speedup"] if k in from_rows else None
+            by_rows = from_rows.get(k, {}).get("speedup")
             entry.update({
                 "measured_k": k, "measured_speedup": s,
                 "factors": {"ideal": k + 1, "acceptance": pred.acceptance, "verify cost": pred.verify,
@@ -224,19 +223,22 @@ def _priced_by_rows(state: BenchState, name: str, profile: DrafterProfile, costs
     a host whose speed drifted between the calibration and the rows (the calibrated one misses,
     this one does not), and work the engine does between its steps (both miss).
     """
+    def timed(i: int) -> tuple[list[RunResult], dict[int, list[float]]]:  # row i's runs, its steps by length
+        runs = [x for (r, _), xs in state.results.items() if r == i for x in xs]
+        steps: dict[int, list[float]] = {}
+        for x in runs:
+            pool_steps(steps, (x.stats or {}).get("step_seconds") or {})
+        return runs, steps
+
     plain = next((i for i, r in enumerate(state.rows) if r.kind == "plain" and r.quant is None), None)
     if plain is None:
         return {}
-    t1 = [t for (r, _), runs in state.results.items() if r == plain for x in runs
-          for t in ((x.stats or {}).get("step_seconds") or {}).get(1, [])]
+    t1 = timed(plain)[1].get(1, [])
     out: dict[int, dict[str, Any]] = {}
     for i, row in enumerate(state.rows):
         if row.drafter != name or row.quant is not None or row.kind != "drafter" or not row.k:
             continue
-        runs = [x for (r, _), xs in state.results.items() if r == i for x in xs]
-        verify: dict[int, list[float]] = {}
-        for x in runs:
-            pool_steps(verify, (x.stats or {}).get("step_seconds") or {})
+        runs, verify = timed(i)
         calls = [s for x in runs for req, _, s in x.draft_calls[1:] if req == row.k and s > 0]
         if not t1 or not verify or not calls:
             continue
