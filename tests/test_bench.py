@@ -750,3 +750,54 @@ def test_compiled_bench_rows_equal_plain_decoding_and_report_compile_time(tiny, 
     assert report["costs"]["compile_seconds"] > 0
     assert report["provenance"]["compile"] is True
     assert "compiled steps" in (tmp_path / "report.md").read_text()
+
+
+# ----------------------------------------------------------------------------- --draft-confidence
+def test_confidence_thresholds_are_the_marginal_price_over_t1():
+    cpu = CostModel({1: 0.030, 2: 0.039, 3: 0.041, 4: 0.045}, draft_per_token=0.0015)
+    assert costmodel.confidence_thresholds(cpu, 3) == pytest.approx([0.35, 0.0035 / 0.030, 0.0055 / 0.030])
+    # verifying one more token nearly free (a GPU): every token is worth proposing
+    gpu = CostModel({1: 0.010, 2: 0.0101, 3: 0.0102}, draft_per_token=0.0002)
+    assert max(costmodel.confidence_thresholds(gpu, 2)) < 0.05
+    # dearer than a token is worth: never proposed (capped at 1); beyond the table: extrapolated
+    dear = CostModel({1: 0.010, 2: 0.025}, draft_per_token=0.0)
+    assert costmodel.confidence_thresholds(dear, 2) == [1.0, 1.0]
+
+
+def test_parse_confidence_normalises_and_names_the_flag():
+    assert [measure.parse_confidence(v) for v in ("AUTO", " off", "0", "0.30", "1", 0.25)] == \
+        ["auto", "off", "off", "0.3", "1", "0.25"]
+    for bad in ("sure", "1.5", "-0.1", ""):
+        with pytest.raises(DraftsmithError, match="--draft-confidence"):
+            measure.parse_confidence(bad)
+    with pytest.raises(DraftsmithError, match="--draft-confidence"):
+        _cfg(Path("/tmp"), draft_confidence=[])
+
+
+def test_draft_confidence_rows_side_by_side_are_lossless_and_report_their_rule(tiny, tmp_path):
+    """--draft-confidence auto off 1: one row per setting on the same draft; auto's thresholds come
+    from the drafter's own step prices (measured drafting every token), 1 never drafts, and every
+    row reproduces plain decoding."""
+    from draft_factory import random_draft
+    from draftsmith.decoding.proposers import Eagle3Proposer
+
+    d = random_draft(tiny, vd=48, aux_layer_ids=[0, 1, 1])
+    d.config.aux_layer_ids = [0, 1, 2]
+    prop = Eagle3Proposer(d, min_confidence=0.7)  # a rule left from elsewhere: replaced
+    cfg = _cfg(tmp_path, num_draft_tokens=[2], hf_reference=False,
+               draft_confidence=["auto", "off", "1.0"])
+    report = benchmark(tiny, _prompts(2), {"eagle3:d": prop}, cfg, tmp_path, {"verifier": "tiny"})
+    rows = {r["name"]: r for r in report["rows"]}
+    assert set(rows) == {"plain (ours)", "eagle3:d k=2", "eagle3:d~off k=2", "eagle3:d~1 k=2"}
+    assert all(r["identical_output_rate"] == 1.0 for r in rows.values())
+    rule = report["draft_confidence"]
+    assert {n: c["setting"] for n, c in rule.items()} == {"eagle3:d": "auto", "eagle3:d~off": "off", "eagle3:d~1": "1"}
+    be = report["break_even"]["eagle3:d"]
+    prices = CostModel({int(n): t for n, t in rule["eagle3:d"]["t_verify_seconds"].items()},
+                       draft_per_token=rule["eagle3:d"]["draft_per_token_seconds"])
+    assert rule["eagle3:d"]["thresholds"] == pytest.approx(costmodel.confidence_thresholds(prices, 2))
+    assert rule["eagle3:d"]["draft_per_token_seconds"] == pytest.approx(be["draft_per_token_seconds"])
+    assert prop.min_confidence == tuple(rule["eagle3:d"]["thresholds"])
+    assert rows["eagle3:d~1 k=2"]["acceptance"]["drafted_fraction"] == 0.0  # never sure enough to draft
+    assert rows["eagle3:d~off k=2"]["acceptance"]["drafted_fraction"] == 1.0
+    assert "stops drafting where its cumulative confidence falls below" in (tmp_path / "report.md").read_text()

@@ -351,6 +351,8 @@ def test_bench_rows_count_every_precision_quantization_and_reference():
     assert bench_row_count(base, drafts=2) == 1 + 4  # the previous draft's rows too
     two = BenchSettings(num_draft_tokens=[3, 5], hf_reference=True, draft_precision=["as-loaded", "int8"])
     assert bench_row_count(two, drafts=1) == 1 + 4 + 2
+    rules = BenchSettings(num_draft_tokens=[3, 5], hf_reference=False, draft_confidence=["auto", "off", "0.3"])
+    assert bench_row_count(rules, drafts=1) == 1 + 3 * 2  # each stop rule a row per k
     q = BenchSettings(num_draft_tokens=[3], hf_reference=False, quantize=["int8"])
     assert bench_row_count(q, drafts=1) == 1 + 1 + (1 + 1)
     chosen = BenchSettings(num_draft_tokens=[1, 2, 3], hf_reference=False, choose_k=True)
@@ -385,6 +387,8 @@ def test_price_calibration_counts_every_draft_precision_and_k():
     two = BenchSettings(num_draft_tokens=[2, 3], max_new_tokens=128, draft_precision=["as-loaded", "int8"])
     assert B.calibration_seconds(FAST, two, drafts=1) == pytest.approx(3 * (1 + 2 * 3) * one)
     assert B.calibration_seconds(FAST, two, drafts=2) == pytest.approx(3 * (1 + 2 * 2 * 3) * one)
+    rules = BenchSettings(num_draft_tokens=[2, 3], max_new_tokens=128, draft_confidence=["auto", "off"])
+    assert B.calibration_seconds(FAST, rules, drafts=1) == pytest.approx(3 * (1 + 2 * 3) * one)
     short = BenchSettings(num_draft_tokens=[1], max_new_tokens=32)
     assert B.calibration_seconds(FAST, short, drafts=1) == pytest.approx(
         3 * 2 * (FAST.prompt_tokens * FAST.capture_per_token + 32 * FAST.decode_per_token))

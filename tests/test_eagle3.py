@@ -8,6 +8,7 @@ import torch
 from conftest import tiny_model
 from draftsmith import generate
 from draftsmith.decoding.proposers import Eagle3Proposer
+from draftsmith.errors import DraftsmithError
 from draftsmith.models.eagle3 import Eagle3Config, Eagle3Draft
 
 
@@ -143,3 +144,135 @@ def test_rmsnorm_is_bitwise_the_written_out_formula_on_cpu(dtype):
         # negative control: another eps is not bitwise the same
         other = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
         assert not torch.equal(norm(x), other)
+
+
+# ----------------------------------------------------------------------------- early stop (min_confidence)
+class _ScriptedTops(Eagle3Proposer):
+    """Reports a fixed top probability per draft position instead of the draft's own; records
+    (k asked, tokens proposed) per call."""
+
+    def __init__(self, draft, tops, **kw):
+        super().__init__(draft, **kw)
+        self.tops, self.i, self.calls = tops, 0, []
+
+    def propose(self, ctx, k, sampling, generator):
+        self.i = 0
+        out = super().propose(ctx, k, sampling, generator)
+        self.calls.append((k, out.tokens.shape[0]))
+        return out
+
+    def _choose(self, logits, sampling, generator):
+        tok, q, _ = super()._choose(logits, sampling, generator)
+        top = self.tops[min(self.i, len(self.tops) - 1)]
+        self.i += 1
+        return tok, q, top
+
+
+@pytest.mark.parametrize("floor, proposed", [(0.4, 3), (0.42, 2), (0.46, 1), ((0.95, 0.0), 0),
+                                             ((0.5, 0.45, 0.41), 2), (0.0, 3)])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_confidence_stop_counts_the_cumulative_confidence(floor, proposed, temperature):
+    """Known answer: tops 0.9, 0.5, 0.9 give cumulative confidences 0.9, 0.45, 0.405; token i is
+    proposed while its cumulative confidence is at least the floor of position i (the last repeats)."""
+    verifier = tiny_model("llama")
+    prop = _ScriptedTops(_draft(verifier, vd=64), [0.9, 0.5, 0.9], min_confidence=floor)
+    out = generate(verifier, [5, 6, 7], proposer=prop, max_new_tokens=12, num_draft_tokens=3, eos_token_id=[],
+                   temperature=temperature, seed=0)
+    assert prop.calls and all(got == min(proposed, k) for k, got in prop.calls)
+    assert out.stats["draft_tokens"] == sum(got for _, got in prop.calls)
+    assert out.stats["drafts"] == sum(got > 0 for _, got in prop.calls)
+
+
+def test_confidence_floor_is_checked():
+    verifier = tiny_model("llama")
+    for bad in (-0.1, 1.5, (), (0.2, 2.0)):
+        with pytest.raises(DraftsmithError, match="--draft-confidence"):
+            Eagle3Proposer(_draft(verifier), min_confidence=bad)
+
+
+class _RecordsTops(Eagle3Proposer):
+    def _choose(self, logits, sampling, generator):
+        tok, q, top = super()._choose(logits, sampling, generator)
+        self.tops.append(top)
+        return tok, q, top
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("floor", ["median", "median, then 0", 1.0])
+def test_confidence_stop_keeps_greedy_output(arch, floor):
+    """Stopping early changes how many tokens are verified per round, never the output: rounds with
+    no draft are plain one-token steps, the others verify a shorter draft."""
+    verifier = tiny_model(arch)
+    d = _draft(verifier)
+    d.config.aux_layer_ids = [0, 1, 2]
+    prompts = [torch.randint(2, 128, (10,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(3)]
+    if floor != 1.0:  # this random draft's median top probability splits the rounds
+        rec = _RecordsTops(d, min_confidence=1e-9)
+        rec.tops = []
+        generate(verifier, prompts[0], proposer=rec, max_new_tokens=30, num_draft_tokens=1, eos_token_id=[])
+        median = sorted(rec.tops)[len(rec.tops) // 2]
+        floor = median if floor == "median" else (median, 0.0)
+    prop = Eagle3Proposer(d, min_confidence=floor)
+    empty = drafted = 0
+    for prompt in prompts:
+        plain = generate(verifier, prompt, max_new_tokens=30, eos_token_id=[]).token_ids
+        out = generate(verifier, prompt, proposer=prop, max_new_tokens=30, num_draft_tokens=3, eos_token_id=[])
+        assert out.token_ids == plain
+        rounds = out.stats["verifier_forwards"] - 1
+        empty += rounds - out.stats["drafts"]
+        drafted += out.stats["drafts"]
+    if floor == 1.0:
+        assert drafted == 0  # a draft is never sure of a whole proposal: every round is a plain step
+    else:
+        assert empty > 0 and drafted > 0  # the floor splits the rounds (the test is not vacuous)
+
+
+class _PeeksAtToken(Eagle3Proposer):
+    """A wrong stop rule (negative control): it reads the sampled token, proposing token 0 only."""
+
+    def _choose(self, logits, sampling, generator):
+        tok, q, _ = super()._choose(logits, sampling, generator)
+        return tok, q, 1.0 if int(tok) == 0 else 0.0
+
+
+def _eagle3_sequence_counts(proposer_cls, floor, params, n):
+    import numpy as np
+
+    from test_sampling import SEQ_LEN, SEQ_V
+
+    verifier = tiny_model("llama", seed=5, vocab=SEQ_V, scale=1.0)
+    prop = proposer_cls(_draft(verifier, seed=6), min_confidence=floor)
+    counts, rounds = np.zeros(SEQ_V ** SEQ_LEN), {"empty": 0, "drafted": 0}
+    for i in range(n):
+        out = generate(verifier, [2, 3, 1], proposer=prop, max_new_tokens=SEQ_LEN, num_draft_tokens=2,
+                       temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=i,
+                       eos_token_id=[])
+        a, b, c = out.token_ids
+        counts[(a * SEQ_V + b) * SEQ_V + c] += 1
+        rounds["drafted"] += out.stats["drafts"]
+        rounds["empty"] += out.stats["verifier_forwards"] - 1 - out.stats["drafts"]
+    return verifier, counts, rounds
+
+
+def test_confidence_stop_keeps_the_sampled_distribution():
+    """Sampling with a stop rule that reads the draft's distribution only (its top probability, known
+    before the token is drawn) keeps the verifier's exact joint distribution (chi-square)."""
+    from test_sampling import P_THRESHOLD, SEQ_N, _chi2_pooled, _exact_sequence_dist
+
+    from draftsmith.decoding.sampling import SamplingParams
+
+    params = SamplingParams(1.0)
+    verifier, counts, rounds = _eagle3_sequence_counts(Eagle3Proposer, 0.5, params, SEQ_N)
+    assert rounds["empty"] > 0.1 * rounds["drafted"] > 0  # the floor stops some rounds, not all
+    assert _chi2_pooled(counts, _exact_sequence_dist(verifier, [2, 3, 1], params)) > P_THRESHOLD
+
+
+def test_confidence_stop_negative_control_rule_that_reads_the_token():
+    """A stop rule that reads the sampled token biases the output; the same test catches it."""
+    from test_sampling import P_THRESHOLD, SEQ_N, _chi2_pooled, _exact_sequence_dist
+
+    from draftsmith.decoding.sampling import SamplingParams
+
+    params = SamplingParams(1.0)
+    verifier, counts, _ = _eagle3_sequence_counts(_PeeksAtToken, 0.5, params, SEQ_N // 2)
+    assert _chi2_pooled(counts, _exact_sequence_dist(verifier, [2, 3, 1], params)) < P_THRESHOLD

@@ -51,6 +51,12 @@ class GenerateConfig:
                                "(minutes on a CPU the first time, cached on disk after) is reported apart")
     draft_precision: str = opt("as-loaded", "an EAGLE-3 draft's precision: "
                                + "; ".join(f"{k} ({v})" for k, v in DRAFT_PRECISIONS.items()))
+    draft_confidence: list[float] = opt(
+        default_factory=lambda: [0.0],
+        help="an EAGLE-3 draft stops drafting where its probability that all its tokens so far pass falls "
+             "below this (one number, or one per draft position, the last repeating; 0: always k tokens). "
+             "Output is unchanged; what pays depends on the machine: `draftsmith bench` (its default "
+             "--draft-confidence auto) reports the thresholds it derived from this machine's step prices")
     weight_layout: Literal["out-in", "auto", "in-out", "onednn"] = opt(
         "out-in", "how the verifier's and draft's Linear weights are held and multiplied: out-in (as loaded); "
                   "onednn (CPU: oneDNN's matmul on the same weights; on AMD EPYC a one-token step ~0.7x MKL's); "
@@ -66,6 +72,8 @@ class GenerateConfig:
                                   f"got {self.draft_precision!r}")
         if self.num_draft_tokens < 1:
             raise DraftsmithError(f"--num-draft-tokens must be >= 1, got {self.num_draft_tokens}")
+        if not self.draft_confidence or not all(0.0 <= c <= 1.0 for c in self.draft_confidence):
+            raise DraftsmithError(f"--draft-confidence: expected numbers in [0, 1], got {self.draft_confidence}")
         if self.max_new_tokens < 1:
             raise DraftsmithError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
 
@@ -80,6 +88,11 @@ def run_generate(cfg: GenerateConfig) -> int:
 
     model, tokenizer, _ = load_verifier(cfg.verifier, dtype=cfg.dtype, device=cfg.device)
     proposer = build_proposer(cfg.drafter, model, tokenizer, dtype=cfg.dtype, draft_precision=cfg.draft_precision)
+    if any(cfg.draft_confidence):
+        if not hasattr(proposer, "min_confidence"):
+            raise DraftsmithError(f"--draft-confidence applies to an EAGLE-3 draft directory, not to --drafter "
+                                  f"{cfg.drafter!r}")
+        proposer.min_confidence = cfg.draft_confidence
     ids = encode_prompt(tokenizer, cfg.prompt, chat=cfg.chat)
     layout = cfg.weight_layout
     if layout == "auto":

@@ -171,6 +171,22 @@ def predict(profile: DrafterProfile, costs: CostModel, k: int) -> Prediction:
         extrapolated=k > profile.k)
 
 
+def confidence_thresholds(costs: CostModel, k: int) -> list[float]:
+    """Per draft position i = 1..k, the least cumulative draft confidence at which proposing
+    token i pays (:class:`~draftsmith.decoding.proposers.Eagle3Proposer`'s ``min_confidence``).
+
+    Proposing token i adds ``T_verify(i+1) - T_verify(i)`` to the round's verify and one draft
+    step; it yields one more token with the probability that tokens 1..i all pass, which a
+    calibrated draft estimates by the product of its top probabilities. A token is worth
+    ``T(1)``, what plain decoding pays for it, so the break-even confidence is the marginal
+    price over ``T(1)``. Where verifying more tokens is nearly free (a GPU) the thresholds are
+    near 0 and the draft proposes all k; where it is dear (a 2-token verify at 1.3x a one-token
+    step on a CPU) an unsure first token is not proposed.
+    """
+    return [min(1.0, max(0.0, (costs.verify(i + 1) - costs.verify(i) + costs.draft_per_token) / costs.t1))
+            for i in range(1, k + 1)]
+
+
 def best_k(predictions: Sequence[Prediction]) -> Prediction:
     """The prediction with the highest speedup (the smallest k among ties)."""
     return max(predictions, key=lambda p: (p.speedup, -p.k))

@@ -22,12 +22,13 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from draftsmith.bench.costmodel import (CostModel, DrafterProfile, best_k, fit_draft_cost, in_situ_prices,
-                                        monotone_fit, predict, trimmed_mean)
+from draftsmith.bench.costmodel import (CostModel, DrafterProfile, best_k, confidence_thresholds, fit_draft_cost,
+                                        in_situ_prices, monotone_fit, predict, trimmed_mean)
 from draftsmith.bench.verdict import OutputVerdict, compare_outputs, model_scorer
 from draftsmith.decoding.proposers import DraftContext, Proposal, Proposer
 from draftsmith.decoding.sampling import SamplingParams
 from draftsmith.engines import OURS
+from draftsmith.errors import DraftsmithError
 from draftsmith.utils import progress_bar
 
 
@@ -578,6 +579,7 @@ class BenchState:
     warmup_compile_seconds: dict[int, float] = field(default_factory=dict)  # row -> its warm-up run's compile time
     costs_compile_seconds: float = 0.0  # compiling the steps while their costs were measured (first, usually)
     k_choice: dict[str, dict[str, Any]] = field(default_factory=dict)  # drafter -> choose_ks's choice and evidence
+    draft_confidence: dict[str, dict[str, Any]] = field(default_factory=dict)  # drafter -> its stop rule (apply_...)
     layout_choice: dict[str, Any] | None = None  # --weight-layout auto's timings and choice
     partial: bool = False
     note: str = ""
@@ -591,6 +593,43 @@ class BenchState:
         fixed, per_token = self.draft_fit.get(name, (0.0, 0.0))
         t_verify = in_situ_prices(self.costs.t_verify, self.plain_steps, self.verify_steps.get(name, {}))
         return dataclasses.replace(self.costs, t_verify=t_verify, draft_fixed=fixed, draft_per_token=per_token)
+
+
+#: ``--draft-confidence`` words (besides a number in [0, 1])
+CONFIDENCE_WORDS = ("auto", "off")
+
+
+def parse_confidence(value: str) -> str:
+    """A ``--draft-confidence`` value, checked and normalised: ``auto``, ``off`` or a number in [0, 1]."""
+    text = str(value).strip().lower()
+    if text in CONFIDENCE_WORDS:
+        return text
+    try:
+        number = float(text)
+    except ValueError:
+        number = -1.0
+    if not 0.0 <= number <= 1.0:
+        raise DraftsmithError(f"--draft-confidence: expected auto, off or a number in [0, 1], got {value!r}")
+    return "off" if number == 0.0 else f"{number:g}"
+
+
+def apply_draft_confidence(state: "BenchState", proposers: Mapping[str, Proposer], settings: Mapping[str, str],
+                           ks: Sequence[int]) -> None:
+    """Give each EAGLE-3 drafter of ``settings`` (label -> ``--draft-confidence`` value) its stop rule,
+    once ``state``'s step costs are measured (they were measured drafting every token):
+    ``auto`` -> :func:`~draftsmith.bench.costmodel.confidence_thresholds` from its own prices,
+    ``off`` -> never stops, a number -> that cumulative confidence at every position. The rule
+    and the prices it came from are kept in ``state.draft_confidence`` for the report."""
+    for name, setting in settings.items():
+        if setting == "auto":
+            costs = state.drafter_costs(name)
+            floor = confidence_thresholds(costs, max(ks))
+            why = {"t_verify_seconds": {str(n): costs.verify(n) for n in range(1, max(ks) + 2)},
+                   "draft_per_token_seconds": costs.draft_per_token}
+        else:
+            floor, why = [0.0 if setting == "off" else float(setting)], {}
+        proposers[name].min_confidence = floor
+        state.draft_confidence[name] = {"setting": setting, "thresholds": floor, **why}
 
 
 def build_rows(model: torch.nn.Module, proposers: dict[str, Proposer], ks: Sequence[int],

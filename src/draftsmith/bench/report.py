@@ -276,6 +276,7 @@ def build_report(state: BenchState, cfg: BenchConfig, provenance: dict[str, Any]
             "compile_seconds": state.costs_compile_seconds},
         "break_even": _break_even(state, rows, cfg),
         "k_choice": state.k_choice,
+        "draft_confidence": state.draft_confidence,
         "weight_layout_choice": _layout_choice(state.layout_choice),
         "engine_agreement": engine_agreement(rows),
         "which_to_choose": which_to_choose(rows, cfg.temperature),
@@ -498,6 +499,12 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append(f"- **{name}**: k = {c['k']} chosen before timing (`--choose-k`): predicted {preds}, from a "
                      f"pilot decode at k={c['pilot_k']} on prompt(s) {', '.join(c['pilot_prompts'])} (not timed "
                      f"or judged; acceptance length {c['acceptance_length']:.2f}) and the step costs above.")
+    for name, c in (report.get("draft_confidence") or {}).items():
+        if c["setting"] != "off":
+            lines.append(f"- **{name}** stops drafting where its cumulative confidence falls below "
+                         + "/".join(f"{t:.2f}" for t in c["thresholds"]) + " (token 1/2/...; "
+                         + ("`--draft-confidence auto`: what verifying one more token costs over T(1), from the "
+                            "step prices above)." if c["setting"] == "auto" else f"`--draft-confidence {c['setting']}`)."))
     for name, be in report["break_even"].items():
         if "measured_speedup" not in be:
             continue

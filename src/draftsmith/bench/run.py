@@ -10,9 +10,10 @@ from typing import Any, Literal
 
 import torch
 
-from draftsmith.bench.measure import (LAYOUT_TIE, BenchState, Row, bench_prompts, build_rows, choose_ks,
-                                      choose_weight_layout, engine_rows, judge_outputs, judge_quality,
-                                      measure_costs, measure_interleaved, precision_label, quantized_rows)
+from draftsmith.bench.measure import (LAYOUT_TIE, BenchState, Row, apply_draft_confidence, bench_prompts, build_rows,
+                                      choose_ks, choose_weight_layout, engine_rows, judge_outputs, judge_quality,
+                                      measure_costs, measure_interleaved, parse_confidence, precision_label,
+                                      quantized_rows)
 from draftsmith.bench.report import build_report, render_markdown, write_report
 from draftsmith.config import opt
 from draftsmith.decoding.proposers import Eagle3Proposer, Proposer
@@ -83,6 +84,14 @@ class BenchSettings:
         help="precision(s) of the EAGLE-3 drafts in our engine, side by side: "
              + "; ".join(f"{k} ({v})" for k, v in DRAFT_PRECISIONS.items())
              + ". The first keeps the draft's label; the others are measured as LABEL@PRECISION")
+    draft_confidence: list[str] = opt(
+        default_factory=lambda: ["auto"],
+        help="when an EAGLE-3 draft in our engine stops drafting early, side by side: auto (the default: a "
+             "token is proposed only while the draft's probability that all its tokens so far pass is at least "
+             "what verifying it costs, (T_verify(i+1) - T_verify(i) + one draft step) / T(1), from this "
+             "machine's step prices measured before timing; near 0 where verifying more tokens is nearly free); "
+             "off (always k tokens); or a number in [0, 1] (that cumulative confidence at every position). "
+             "Output is unchanged. The first keeps the draft's label; the others are measured as LABEL~VALUE")
 
     def __post_init__(self) -> None:
         bad_q = [q for q in self.quantize if q not in QUANTIZATIONS]
@@ -94,6 +103,9 @@ class BenchSettings:
             raise DraftsmithError(f"--draft-precision: expected some of {list(DRAFT_PRECISIONS)}, "
                                   f"got {self.draft_precision}")
         self.draft_precision = list(dict.fromkeys(self.draft_precision))
+        if not self.draft_confidence:
+            raise DraftsmithError("--draft-confidence: give at least one of auto, off or a number in [0, 1]")
+        self.draft_confidence = list(dict.fromkeys(parse_confidence(c) for c in self.draft_confidence))
         if self.quantize and OURS not in self.engines:
             raise DraftsmithError(f"--quantize: quantized rows are measured in {OURS}'s engine; add it to --engines")
         bad = [e for e in self.engines if e not in ENGINES]
@@ -177,7 +189,8 @@ def benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], prop
 def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], proposers: dict[str, Proposer],
                cfg: BenchConfig, out_dir: Path, provenance: dict[str, Any] | None, draft_dirs: dict[str, Path],
                servers: contextlib.ExitStack, pilot: list[tuple[str, list[int]]]) -> dict[str, Any]:
-    proposers = with_draft_precisions(proposers, cfg.draft_precision)
+    proposers, confidence = with_draft_confidences(with_draft_precisions(proposers, cfg.draft_precision),
+                                                   cfg.draft_confidence)
     layout, layout_choice = cfg.weight_layout, None
     if layout == "auto":
         if cfg.progress:
@@ -201,6 +214,7 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
                       file=sys.stderr)
             measure_costs(pre, proposers, cfg.num_draft_tokens, cfg.max_new_tokens, cfg.temperature, cfg.seed,
                           cfg.compile)
+            apply_draft_confidence(pre, proposers, confidence, cfg.num_draft_tokens)
             pre.k_choice = choose_ks(pre, proposers, cfg.num_draft_tokens, pilot, cfg.max_new_tokens,
                                      cfg.temperature, cfg.seed, cfg.compile)
     chosen = {name: c["k"] for name, c in (pre.k_choice if pre else {}).items()}
@@ -214,7 +228,7 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
     state = BenchState(rows, prompts)
     if pre is not None:  # the costs measured for the choice are the bench's, and its clock started with them
         for name in ("costs", "plain_steps", "verify_steps", "draft_per_call", "draft_fit", "costs_compile_seconds",
-                     "k_choice", "started", "load_at_start"):
+                     "k_choice", "draft_confidence", "started", "load_at_start"):
             setattr(state, name, getattr(pre, name))
     state.layout_choice = layout_choice
     param = next(model.parameters())
@@ -223,7 +237,27 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
                   "draft_precision": cfg.draft_precision, "compile": cfg.compile}
     # every row decodes inside the block (the quantized rows hold their own copies, made above)
     with weight_layouts([model, *drafts], layout):
-        return _measure(state, model, proposers, cfg, out_dir, provenance)
+        return _measure(state, model, proposers, cfg, out_dir, provenance, confidence)
+
+
+def with_draft_confidences(proposers: dict[str, Proposer],
+                           settings: list[str]) -> tuple[dict[str, Proposer], dict[str, str]]:
+    """Each EAGLE-3 proposer at each ``--draft-confidence`` setting: the first keeps its label and
+    object, the others come as ``LABEL~SETTING`` (a proposer of their own on the same draft); other
+    proposers pass through. Returns the proposers, drafting every token until
+    :func:`apply_draft_confidence` gives them their rule, and label -> setting."""
+    out: dict[str, Proposer] = {}
+    chosen: dict[str, str] = {}
+    for label, prop in proposers.items():
+        if not isinstance(prop, Eagle3Proposer):
+            out[label] = prop
+            continue
+        for i, setting in enumerate(settings):
+            name = label if i == 0 else f"{label}~{setting}"
+            out[name] = prop if i == 0 else Eagle3Proposer(prop.draft)
+            out[name].min_confidence = 0.0  # the step costs are measured drafting every token
+            chosen[name] = setting
+    return out, chosen
 
 
 def with_draft_precisions(proposers: dict[str, Proposer], precisions: list[str]) -> dict[str, Proposer]:
@@ -241,13 +275,14 @@ def with_draft_precisions(proposers: dict[str, Proposer], precisions: list[str])
 
 
 def _measure(state: BenchState, model: torch.nn.Module, proposers: dict[str, Proposer], cfg: BenchConfig,
-             out_dir: Path, provenance: dict[str, Any]) -> dict[str, Any]:
+             out_dir: Path, provenance: dict[str, Any], confidence: dict[str, str]) -> dict[str, Any]:
     try:
         if cfg.progress:
             print("bench: measuring verifier and draft step costs ...", file=sys.stderr)
         if state.costs is None:  # (measured already where --choose-k chose k with them)
             measure_costs(state, proposers, cfg.num_draft_tokens, cfg.max_new_tokens, cfg.temperature, cfg.seed,
                           cfg.compile)
+            apply_draft_confidence(state, proposers, confidence, cfg.num_draft_tokens)
         measure_interleaved(state, cfg.max_new_tokens, cfg.temperature, cfg.repeats, cfg.seed,
                             progress=cfg.progress, warmup_tokens=cfg.warmup_tokens)
         if cfg.temperature == 0:

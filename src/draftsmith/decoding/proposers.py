@@ -13,7 +13,7 @@ import abc
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import torch
 
@@ -226,12 +226,24 @@ class Eagle3Proposer(Proposer):
     The verifier states arrive with each call (from the verification forward the
     engine already ran); the draft keeps its own preallocated KV cache and rolls it
     back to the verified prefix at the start of every round by moving its index.
+
+    With ``min_confidence`` a round's draft stops early: token i is proposed only while
+    the draft's own probability that tokens 1..i all pass, the product of its top
+    probabilities so far, is at least ``min_confidence[i-1]`` (a number: the same at
+    every position; the last entry repeats). An unsure draft then proposes fewer
+    tokens, or none (the round is a plain one-token step), and the verifier checks
+    only what is likely to pass: with :func:`confidence_thresholds` from the step
+    prices, the tokens whose expected gain exceeds what verifying them costs. Output is
+    unchanged: which tokens are proposed never changes what the verifier accepts
+    (greedy), nor, since the rule reads the draft's own distribution only, the
+    distribution of sampled output.
     """
 
     requires_hidden_states = True
 
-    def __init__(self, draft: "Eagle3Draft") -> None:
+    def __init__(self, draft: "Eagle3Draft", min_confidence: float | Sequence[float] = 0.0) -> None:
         self.draft = draft.eval()
+        self.min_confidence = min_confidence
         self.aux_layer_ids = tuple(draft.config.aux_layer_ids)
         self.cache: KVCache | None = None
         self._compiled: Any = None  # the compiled draft step, kept across prompts
@@ -240,6 +252,18 @@ class Eagle3Proposer(Proposer):
         self._refused: tuple[int, ...] | None = None  # weights_version whose compiled step failed its check
         self.compile_error: float | None = None  # that check's relative error (None: not compiled)
         self.reset()
+
+    @property
+    def min_confidence(self) -> tuple[float, ...]:
+        """Per draft position, the least cumulative confidence to propose it (all 0: never stops)."""
+        return self._min_confidence
+
+    @min_confidence.setter
+    def min_confidence(self, value: float | Sequence[float]) -> None:
+        values = (float(value),) if isinstance(value, (int, float)) else tuple(float(v) for v in value)
+        if not values or not all(0.0 <= v <= 1.0 for v in values):
+            raise DraftsmithError(f"--draft-confidence must be in [0, 1], got {value}")
+        self._min_confidence = values
 
     def reset(self) -> None:
         if self.cache is not None:
@@ -359,14 +383,18 @@ class Eagle3Proposer(Proposer):
             raise DraftsmithError("EAGLE-3 draft does not fit this verifier: " + "; ".join(problems))
 
     def _choose(self, logits: torch.Tensor, sampling: SamplingParams, generator):
-        """Draft logits [Vd] -> (verifier id, q over the verifier vocab or None)."""
+        """Draft logits [Vd] -> (verifier id, q over the verifier vocab or None, top probability or
+        None when nothing gates on it)."""
+        gate = any(self._min_confidence)
         if sampling.greedy:
             i = logits.argmax(-1)
-            return i + self.draft.d2t[i], None
+            # the greedy choice's probability: 1 / sum(exp(l - max)), read on the host only to gate
+            top = 1.0 / float((logits.float() - logits[i].float()).exp().sum()) if gate else None
+            return i + self.draft.d2t[i], None, top
         full = torch.full((self.draft.config.vocab_size,), float("-inf"), device=logits.device, dtype=torch.float32)
         full[self.draft.draft_to_target] = logits.float()
         q = logits_to_probs(full, sampling)  # the shared transform, on the verifier's vocabulary
-        return sample(q, generator), q
+        return sample(q, generator), q, float(q.max()) if gate else None
 
     def propose(self, ctx: DraftContext, k: int, sampling: SamplingParams, generator) -> Proposal:
         tokens, aux = ctx.tokens, ctx.hidden_states
@@ -381,10 +409,17 @@ class Eagle3Proposer(Proposer):
         pos = torch.arange(start + 1, T, device=tokens.device)[None]
         logits, h = self._step(tokens[T - m:][None], g, pos)
         drafted, probs = [], []
+        floor, sure = self._min_confidence, 1.0
         for i in range(k):
-            tok, q = self._choose(logits[0, -1], sampling, generator)
+            tok, q, top = self._choose(logits[0, -1], sampling, generator)
+            if top is not None:
+                sure *= top
+                if sure < floor[min(i, len(floor) - 1)]:  # the draft is unsure: propose what it has
+                    break
             drafted.append(tok)
             probs.append(q)
             if i + 1 < k:
                 logits, h = self._step(tok.reshape(1, 1), h[:, -1:], pos[:, -1:] + i + 1)
+        if not drafted:
+            return Proposal(tokens[:0], None)
         return Proposal(torch.stack(drafted), None if sampling.greedy else torch.stack(probs))

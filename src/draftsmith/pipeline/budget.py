@@ -121,9 +121,10 @@ def _mins(seconds: float) -> str:
 
 
 def bench_row_count(bench: Any, drafts: int) -> int:
-    """Rows our engine decodes in the pipeline's bench: plain, each draft at each precision and k,
-    HF generate and prompt lookup, and per quantization its plain row and each draft row again."""
-    draft_rows = drafts * len(bench.draft_precision) * (1 if bench.choose_k else len(bench.num_draft_tokens))
+    """Rows our engine decodes in the pipeline's bench: plain, each draft at each precision, stop rule
+    and k, HF generate and prompt lookup, and per quantization its plain row and each draft row again."""
+    draft_rows = (drafts * len(bench.draft_precision) * len(bench.draft_confidence)
+                  * (1 if bench.choose_k else len(bench.num_draft_tokens)))
     return 1 + draft_rows + 2 * bench.hf_reference + len(bench.quantize) * (1 + draft_rows)
 
 
@@ -137,22 +138,22 @@ def bench_seconds(rates: Rates, prompts: int, max_new_tokens: int, rows: int, re
 
 def calibration_seconds(rates: Rates, bench: Any, drafts: int) -> float:
     """The bench's in-situ price calibration (:func:`draftsmith.bench.measure.measure_costs`): its
-    passes decode up to ``CALIBRATION_TOKENS`` tokens plainly and with each draft at each precision
-    and each k, priced at the plain decode's rate (a draft's tokens come no dearer)."""
+    passes decode up to ``CALIBRATION_TOKENS`` tokens plainly and with each draft at each precision,
+    stop rule and k, priced at the plain decode's rate (a draft's tokens come no dearer)."""
     from draftsmith.bench.measure import CALIBRATION_PASSES, CALIBRATION_TOKENS
 
-    runs = 1 + drafts * len(bench.draft_precision) * len(set([1, *bench.num_draft_tokens]))
+    runs = 1 + drafts * len(bench.draft_precision) * len(bench.draft_confidence) * len(set([1, *bench.num_draft_tokens]))
     tokens = min(bench.max_new_tokens, CALIBRATION_TOKENS)
     return CALIBRATION_PASSES * runs * (rates.prompt_tokens * rates.capture_per_token
                                         + tokens * rates.decode_per_token)
 
 
 def pilot_seconds(rates: Rates, bench: Any, drafts: int) -> float:
-    """``bench.choose_k``'s pilot decode: each draft at each precision decodes ``bench.pilot_prompts``
+    """``bench.choose_k``'s pilot decode: each draft at each precision and stop rule decodes ``bench.pilot_prompts``
     prompts once (0 without ``choose_k``)."""
     if not bench.choose_k:
         return 0.0
-    runs = bench.pilot_prompts * drafts * len(bench.draft_precision)
+    runs = bench.pilot_prompts * drafts * len(bench.draft_precision) * len(bench.draft_confidence)
     return bench_seconds(rates, runs, bench.max_new_tokens, 1, 1) - bench_seconds(rates, 0, bench.max_new_tokens, 1, 1)
 
 
