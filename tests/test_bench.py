@@ -801,3 +801,16 @@ def test_draft_confidence_rows_side_by_side_are_lossless_and_report_their_rule(t
     assert rows["eagle3:d~1 k=2"]["acceptance"]["drafted_fraction"] == 0.0  # never sure enough to draft
     assert rows["eagle3:d~off k=2"]["acceptance"]["drafted_fraction"] == 1.0
     assert "stops drafting where its cumulative confidence falls below" in (tmp_path / "report.md").read_text()
+
+
+def test_predict_prices_the_draft_steps_a_stopped_call_ran():
+    """A call that stopped at l < k tokens ran l + 1 draft steps: 40 rounds of 0 tokens (1 step),
+    20 of 1 (2 steps), 40 of 3 = k (3 steps) -> 0.4 + 0.4 + 1.2 = 2.0 steps per round."""
+    costs = CostModel({1: 1.0, 2: 1.2, 3: 1.3, 4: 1.4}, draft_fixed=0.02, draft_per_token=0.05)
+    profile = DrafterProfile(3, [0.5, 0.3, 0.2], [40, 20, 0, 40])
+    p = predict(profile, costs, 3)
+    verify = 0.4 * 1.0 + 0.2 * 1.2 + 0.4 * 1.4
+    assert p.seconds_per_round == pytest.approx(verify + 0.02 + 0.05 * 2.0)
+    # negative control: always full drafts pay k steps, as draft(k) says
+    full = predict(DrafterProfile(3, [0.5, 0.3, 0.2], [0, 0, 0, 100]), costs, 3)
+    assert full.seconds_per_round == pytest.approx(1.4 + costs.draft(3))

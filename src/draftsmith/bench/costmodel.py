@@ -146,8 +146,9 @@ def predict(profile: DrafterProfile, costs: CostModel, k: int) -> Prediction:
     """Predict tokens per verifier forward, cost per round and speedup at draft length k.
 
     Rounds proposing l < k tokens (or none) verify l + 1 tokens and can emit at most
-    l + 1; their share comes from the measured length distribution, truncated at k
-    (drafts are prefixes of longer drafts). Beyond the measured k, full-length
+    l + 1, and their propose call paid l + 1 draft steps (a draft that stops early
+    has read one more distribution than it proposed from); their share comes from
+    the measured length distribution, truncated at k (drafts are prefixes of longer drafts). Beyond the measured k, full-length
     drafts are assumed to stay full length, and acceptance continues geometrically.
     """
     counts = profile.length_counts
@@ -163,7 +164,8 @@ def predict(profile: DrafterProfile, costs: CostModel, k: int) -> Prediction:
     pos = extend_per_position(profile.per_position, k)
     tokens = 1.0 + drafted * sum(pos)
     verify_cost = sum(p * costs.verify(length + 1) for length, p in probs.items())
-    draft_cost = costs.draft(k)
+    # a call that stopped at l < k tokens ran l + 1 draft steps (the last one read an unsure draft)
+    draft_cost = costs.draft_fixed + costs.draft_per_token * sum(p * min(length + 1, k) for length, p in probs.items())
     seconds = verify_cost + draft_cost
     return Prediction(
         k=k, tokens_per_round=tokens, seconds_per_round=seconds, speedup=tokens * costs.t1 / seconds,

@@ -243,7 +243,7 @@ def _priced_by_rows(state: BenchState, name: str, profile: DrafterProfile, costs
         if not t1 or not verify or not calls:
             continue
         priced = dataclasses.replace(costs, t_verify=in_situ_prices(costs.t_verify, t1, verify),
-                                     draft_fixed=0.0, draft_per_token=trimmed_mean(calls) / row.k)
+                                     draft_fixed=trimmed_mean(calls), draft_per_token=0.0)  # what a call paid
         out[row.k] = {"speedup": predict(profile, priced, row.k).speedup, "t1": priced.t1,
                       "t_verify": priced.verify(row.k + 1), "propose": priced.draft(row.k)}
     return out
