@@ -148,8 +148,9 @@ def predict(profile: DrafterProfile, costs: CostModel, k: int) -> Prediction:
     Rounds proposing l < k tokens (or none) verify l + 1 tokens and can emit at most
     l + 1, and their propose call paid l + 1 draft steps (a draft that stops early
     has read one more distribution than it proposed from); their share comes from
-    the measured length distribution, truncated at k (drafts are prefixes of longer drafts). Beyond the measured k, full-length
-    drafts are assumed to stay full length, and acceptance continues geometrically.
+    the measured length distribution, truncated at k (drafts are prefixes of longer
+    drafts). Beyond the measured k, full-length drafts are assumed to stay full
+    length, and acceptance continues geometrically.
     """
     counts = profile.length_counts
     rounds = sum(counts)

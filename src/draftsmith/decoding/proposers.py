@@ -232,8 +232,9 @@ class Eagle3Proposer(Proposer):
     probabilities so far, is at least ``min_confidence[i-1]`` (a number: the same at
     every position; the last entry repeats). An unsure draft then proposes fewer
     tokens, or none (the round is a plain one-token step), and the verifier checks
-    only what is likely to pass: with :func:`confidence_thresholds` from the step
-    prices, the tokens whose expected gain exceeds what verifying them costs. Output is
+    only what is likely to pass: with
+    :func:`~draftsmith.bench.costmodel.confidence_thresholds` from the step prices, the
+    tokens whose expected gain exceeds what verifying them costs. Output is
     unchanged: which tokens are proposed never changes what the verifier accepts
     (greedy), nor, since the rule reads the draft's own distribution only, the
     distribution of sampled output.
