@@ -35,7 +35,10 @@ def _config(root: Path, verifier: Path, out: str, **over) -> Path:
                     "max_length": 128, "dtype": "float32", "samples_per_shard": 4},
            "train": {"epochs": 4, "draft_vocab_size": 128, "pack_tokens": 128, "eval_every": 4,
                      "checkpoint_every": 2, "lr": 3e-3},
-           "bench": {"num_prompts": 2, "max_new_tokens": 16, "num_draft_tokens": [3], "hf_reference": False}}
+           # the tiny drafts here are near random: --draft-confidence auto would draft almost no round, and
+           # the drift test compares acceptance lengths, which need drafted rounds (auto: tests/test_bench.py)
+           "bench": {"num_prompts": 2, "max_new_tokens": 16, "num_draft_tokens": [3], "hf_reference": False,
+                     "draft_confidence": ["off"]}}
     for key, value in over.items():
         section, _, name = key.partition("__")
         if name:
@@ -416,3 +419,19 @@ def test_budgeted_run_calibrates_plans_tops_up_and_reruns_from_the_cache(setup, 
                   if d.name.split("-")[0] in ("prompts", "regenerate", "topup_prompts", "topup_regenerate",
                                               "topup_merge", "capture") and (d / "done.json").is_file())
     assert earlier > 0 and len(seen) == 1 and seen[0] >= earlier
+
+
+def test_refresh_line_says_when_a_draft_stopped_early(tmp_path, capsys):
+    """With --draft-confidence a row's acceptance is over the rounds that drafted: the refresh line says
+    how many did, and says nothing of it when every round drafted (the negative control)."""
+    from draftsmith.pipeline.runner import _finish
+
+    gate = {"passed": True, "speedup": 1.1, "k": 2, "acceptance_length": 1.6, "reasons": []}
+    for fractions, shown in (((0.4, 0.76), "over the rounds that drafted: 40% -> 76%"), ((1.0, 1.0), None)):
+        before = {"acceptance_length": 1.3, "speedup": 0.95, "drafted_fraction": fractions[0]}
+        after = {"acceptance_length": 1.6, "speedup": 1.1, "drafted_fraction": fractions[1]}
+        _finish({"before": before, "after": after, "gate": gate, "bench": {"report": "r"},
+                 "deployed_draft": "d"}, tmp_path)
+        out = capsys.readouterr().out
+        assert "refresh: acceptance length 1.30 -> 1.60" in out
+        assert (shown in out) if shown else "drafted" not in out

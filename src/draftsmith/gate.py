@@ -117,6 +117,8 @@ def summarize_drafter(report: dict[str, Any], label: str, engine: str = OURS) ->
             "judged_prompts": choice["judged_prompts"], "k_selection": choice["selection"],
             "acceptance_length": row["acceptance"]["acceptance_length"],
             "per_position_acceptance": row["acceptance"]["per_position_acceptance"],
+            # rounds that drafted (< 1 where the draft stopped early, --draft-confidence): the acceptance is theirs
+            "drafted_fraction": row["acceptance"].get("drafted_fraction"),
             "identical_output_rate": row["identical_output_rate"],
             "outputs": outputs if judged else None,
             "tokens_per_second": row["tokens_per_second"]["median"],

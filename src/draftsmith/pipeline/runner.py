@@ -196,8 +196,11 @@ def _finish(report: dict[str, Any], out: Path) -> int:
     if "before" in report:
         b, a = report["before"], report.get("after")
         if b and a:
-            print(f"refresh: acceptance length {b['acceptance_length']:.2f} -> {a['acceptance_length']:.2f}, "
-                  f"speedup {b['speedup']:.2f}x -> {a['speedup']:.2f}x")
+            drafted = [x.get("drafted_fraction") for x in (b, a)]
+            print(f"refresh: acceptance length {b['acceptance_length']:.2f} -> {a['acceptance_length']:.2f}"
+                  + (f" (over the rounds that drafted: {100 * drafted[0]:.0f}% -> {100 * drafted[1]:.0f}%)"
+                     if None not in drafted and min(drafted) < 1 else "")
+                  + f", speedup {b['speedup']:.2f}x -> {a['speedup']:.2f}x")
     print(verdict_line(report))
     plan = report.get("plan")
     if plan:
