@@ -265,6 +265,7 @@ class Eagle3Proposer(Proposer):
         if not values or not all(0.0 <= v <= 1.0 for v in values):
             raise DraftsmithError(f"--draft-confidence must be in [0, 1], got {value}")
         self._min_confidence = values
+        self._gating = any(values)  # read on every draft step
 
     def reset(self) -> None:
         if self.cache is not None:
@@ -386,11 +387,13 @@ class Eagle3Proposer(Proposer):
     def _choose(self, logits: torch.Tensor, sampling: SamplingParams, generator):
         """Draft logits [Vd] -> (verifier id, q over the verifier vocab or None, top probability or
         None when nothing gates on it)."""
-        gate = any(self._min_confidence)
+        gate = self._gating
         if sampling.greedy:
             i = logits.argmax(-1)
-            # the greedy choice's probability: 1 / sum(exp(l - max)), read on the host only to gate
-            top = 1.0 / float((logits.float() - logits[i].float()).exp().sum()) if gate else None
+            top = None
+            if gate:  # the greedy choice's probability: 1 / sum(exp(l - max)), read on the host only to gate
+                l32 = logits.float()
+                top = 1.0 / float((l32 - l32[i]).exp().sum())
             return i + self.draft.d2t[i], None, top
         full = torch.full((self.draft.config.vocab_size,), float("-inf"), device=logits.device, dtype=torch.float32)
         full[self.draft.draft_to_target] = logits.float()
