@@ -556,6 +556,44 @@ def test_the_rows_own_step_prices_give_a_second_prediction():
     assert bench_report._priced_by_rows(state(0.025), "other", profile, table) == {}
 
 
+def test_rounds_that_proposed_nothing_are_priced_at_the_rows_own_one_token_step():
+    """A stopping draft's empty rounds verify one token inside its own decode; the rows-priced
+    prediction charges them what they paid there, not the plain loop's T(1) (which stays the price of
+    a token). Known answers; the control with empty rounds as cheap as plain steps predicts more. The
+    loop's work outside timed steps and calls is reported per round."""
+    from draftsmith.bench.measure import BenchState, Row, RunResult
+
+    rows = [Row("plain (ours)", "plain", None), Row("d k=1", "drafter", None, drafter="d", k=1)]
+
+    def state(empty_s):
+        st = BenchState(rows, [("p0", [1])])
+        st.results[(0, 0)] = [RunResult([0] * 9, 1.0, {"step_seconds": {1: [0.020] * 8},
+                                                       "seconds": 0.2, "prefill_seconds": 0.03})]
+        # 12 rounds: 6 verified 2 tokens, 6 proposed nothing; 4 propose calls after the first
+        st.results[(1, 0)] = [RunResult([0] * 9, 1.0, {"step_seconds": {2: [0.025] * 6, 1: [empty_s] * 6},
+                                                       "seconds": 0.5, "prefill_seconds": 0.03},
+                                        draft_calls=[(1, 1, 0.01)] + [(1, 1, 0.002)] * 4)]
+        return st
+
+    profile = DrafterProfile(1, [0.4], [5, 5])  # half the rounds empty; 0.4 of the drafted ones accepted
+    table = CostModel({1: 0.030, 2: 0.040, 3: 0.045})
+    got = bench_report._priced_by_rows(state(0.024), "d", profile, table)[1]
+    assert got["t1_own_steps"] == pytest.approx(0.024) and got["own_steps"] == {"1": 6, "2": 6}
+    assert got["speedup"] == pytest.approx(1.2 * 0.020 / (0.5 * 0.024 + 0.5 * 0.025 + 0.002))
+    same = bench_report._priced_by_rows(state(0.020), "d", profile, table)[1]
+    assert same["speedup"] == pytest.approx(1.2 * 0.020 / (0.5 * 0.020 + 0.5 * 0.025 + 0.002))
+    assert same["speedup"] > got["speedup"]
+    # the loop's own time: 0.47 s decoding, 0.294 s in steps, 0.018 s in calls, over 12 rounds
+    assert got["unpriced_per_round"] == pytest.approx((0.47 - 0.294 - 0.018) / 12)
+    assert bench_report._plain_unpriced(state(0.024)) == pytest.approx((0.17 - 0.16) / 8)
+    # without step times (an engine that does not time them) nothing is claimed
+    assert bench_report.unpriced_per_round([RunResult([0], 1.0, {"seconds": 1.0})]) is None
+    # predict itself: the empty rounds' price defaults to T(1)
+    c = CostModel({1: 0.02, 2: 0.025}, draft_fixed=0.002)
+    assert costmodel.predict(profile, c, 1).speedup == pytest.approx(1.2 * 0.02 / (0.5 * 0.02 + 0.5 * 0.025 + 0.002))
+    assert costmodel.predict(profile, c, 1, empty_round=0.03).speedup < costmodel.predict(profile, c, 1).speedup
+
+
 def test_monotone_fit_pools_violators():
     fit = costmodel.monotone_fit({1: 0.089, 2: 0.091, 3: 0.079, 4: 0.138, 5: 0.124, 6: 0.118})
     assert list(fit) == [1, 2, 3, 4, 5, 6]

@@ -142,7 +142,7 @@ class Prediction:
     extrapolated: bool
 
 
-def predict(profile: DrafterProfile, costs: CostModel, k: int) -> Prediction:
+def predict(profile: DrafterProfile, costs: CostModel, k: int, empty_round: float | None = None) -> Prediction:
     """Predict tokens per verifier forward, cost per round and speedup at draft length k.
 
     Rounds proposing l < k tokens (or none) verify l + 1 tokens and can emit at most
@@ -151,6 +151,9 @@ def predict(profile: DrafterProfile, costs: CostModel, k: int) -> Prediction:
     the measured length distribution, truncated at k (drafts are prefixes of longer
     drafts). Beyond the measured k, full-length drafts are assumed to stay full
     length, and acceptance continues geometrically.
+
+    ``empty_round`` prices the one-token verify of a round that proposed nothing, where it
+    differs from ``T(1)``, the plain step every token is worth (default: ``T(1)``).
     """
     counts = profile.length_counts
     rounds = sum(counts)
@@ -164,7 +167,8 @@ def predict(profile: DrafterProfile, costs: CostModel, k: int) -> Prediction:
     drafted = sum(p for length, p in probs.items() if length > 0)
     pos = extend_per_position(profile.per_position, k)
     tokens = 1.0 + drafted * sum(pos)
-    verify_cost = sum(p * costs.verify(length + 1) for length, p in probs.items())
+    empty = costs.verify(1) if empty_round is None else empty_round
+    verify_cost = sum(p * (empty if length == 0 else costs.verify(length + 1)) for length, p in probs.items())
     # a call that stopped at l < k tokens ran l + 1 draft steps (the last one read an unsure draft)
     draft_cost = costs.draft_fixed + costs.draft_per_token * sum(p * min(length + 1, k) for length, p in probs.items())
     seconds = verify_cost + draft_cost

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from draftsmith.bench.costmodel import (DrafterProfile, best_k, break_even_alpha, in_situ_prices, limiting_term,
-                                        predict, trimmed_mean)
+from draftsmith.bench.costmodel import (MIN_IN_SITU, DrafterProfile, best_k, break_even_alpha, in_situ_prices,
+                                        limiting_term, predict, trimmed_mean)
 from draftsmith.bench.measure import (BenchState, RunResult, baseline_index, environment, load_average,
                                       pool_steps, reference_index)
 from draftsmith.bench.stats import bootstrap_ci, paired_ratios, pooled_ratio, summarize
@@ -244,9 +244,35 @@ def _priced_by_rows(state: BenchState, name: str, profile: DrafterProfile, costs
             continue
         priced = dataclasses.replace(costs, t_verify=in_situ_prices(costs.t_verify, t1, verify),
                                      draft_fixed=trimmed_mean(calls), draft_per_token=0.0)  # what a call paid
-        out[row.k] = {"speedup": predict(profile, priced, row.k).speedup, "t1": priced.t1,
-                      "t_verify": priced.verify(row.k + 1), "propose": priced.draft(row.k)}
+        # a round that proposed nothing paid this row's own one-token step (it returns the aux states)
+        own_t1 = trimmed_mean(verify[1]) if len(verify.get(1, [])) >= MIN_IN_SITU else None
+        out[row.k] = {"speedup": predict(profile, priced, row.k, empty_round=own_t1).speedup, "t1": priced.t1,
+                      "t_verify": priced.verify(row.k + 1), "propose": priced.draft(row.k),
+                      "t1_own_steps": own_t1, "own_steps": {str(n): len(v) for n, v in sorted(verify.items())},
+                      "unpriced_per_round": unpriced_per_round(runs)}
     return out
+
+
+def unpriced_per_round(runs: list[RunResult]) -> float | None:
+    """Mean seconds per round (verifier forward after the prefill) that no timed step or propose call
+    holds: the decode loop's own work between steps (accept decision, cache rollback, bookkeeping).
+    None where the runs did not time their steps."""
+    spent = rounds = 0.0
+    for x in runs:
+        s = x.stats or {}
+        steps = s.get("step_seconds")
+        if not steps or "seconds" not in s:
+            return None
+        loop = s["seconds"] - s.get("prefill_seconds", 0.0)
+        spent += loop - sum(map(sum, steps.values())) - sum(c for _, _, c in x.draft_calls)
+        rounds += sum(map(len, steps.values()))
+    return spent / rounds if rounds else None
+
+
+def _plain_unpriced(state: BenchState) -> float | None:
+    plain = next((i for i, r in enumerate(state.rows) if r.kind == "plain" and r.quant is None), None)
+    runs = [x for (r, _), xs in state.results.items() if r == plain for x in xs]
+    return unpriced_per_round(runs) if runs else None
 
 
 def build_report(state: BenchState, cfg: BenchConfig, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -273,6 +299,8 @@ def build_report(state: BenchState, cfg: BenchConfig, provenance: dict[str, Any]
             # the plain loop's one-token steps, the T(1) every prediction divides by
             "t1_plain_loop_seconds": trimmed_mean(state.plain_steps) if state.plain_steps else None,
             "plain_loop_steps": len(state.plain_steps),
+            # the timed plain row's work between its steps, per step (the drafters' is in break_even)
+            "plain_unpriced_per_step_seconds": _plain_unpriced(state),
             "compile_seconds": state.costs_compile_seconds},
         "break_even": _break_even(state, rows, cfg),
         "k_choice": state.k_choice,
