@@ -684,6 +684,37 @@ def test_engine_rows_speedup_per_engine_agreement_and_gate(tiny, tmp_path, monke
     assert summarize_drafter(report, "eagle3:d", "vllm")["acceptance_length"] == 2.0
 
 
+def test_served_acceptance_is_compared_with_our_row_that_drafts_under_the_same_rule(tmp_path):
+    """Serving engines draft every token; where our row of that draft stops early (auto), the
+    agreement is with our LABEL~off row, and the bench adds off where a serving engine is measured.
+    The control: our early-stopping row alone has no counterpart, so nothing is compared."""
+    from draftsmith.pipeline.budget import stop_rules
+
+    def row(name, drafter, engine, rule, length):
+        return {"name": name, "kind": "drafter", "drafter": drafter, "k": 2, "engine": engine,
+                "draft_confidence": rule,
+                "acceptance": {"acceptance_length": length, "per_position_acceptance": [0.5, 0.2]}}
+
+    auto = row("d k=2", "d", "draftsmith", "auto", 1.9)
+    off = row("d~off k=2", "d~off", "draftsmith", "off", 1.55)
+    served = row("llama.cpp d k=2", "d", "llama.cpp", "off", 1.56)
+    agree = bench_report.engine_agreement([auto, off, served])
+    assert len(agree) == 1 and agree[0]["ours_row"] == "d~off k=2"
+    assert agree[0]["acceptance_length"] == {"ours": 1.55, "engine": 1.56}
+    assert bench_report.engine_agreement([auto, served]) == []  # different rules: not compared
+    plain = dict(off, name="d k=2", drafter="d")  # a draft that never stops: its own label
+    assert bench_report.engine_agreement([plain, served])[0]["ours_row"] == "d k=2"
+    # the config adds off where a serving engine is measured, and the pipeline's budget counts it
+    assert _cfg(tmp_path, engines=["draftsmith", "llama.cpp"]).draft_confidence == ["auto", "off"]
+    assert _cfg(tmp_path, engines=["draftsmith"]).draft_confidence == ["auto"]
+    assert _cfg(tmp_path, engines=["vllm"], draft_confidence=["off", "0.3"]).draft_confidence == ["off", "0.3"]
+    from draftsmith.pipeline.config import build_config
+
+    b = build_config(None, {"preset": "tiny", "gate": {"engine": "vllm"},
+                            "bench": {"engines": ["draftsmith", "vllm"], "draft_confidence": ["auto"]}}).bench
+    assert stop_rules(b) == ["auto", "off"]
+
+
 def test_engine_settings_are_checked(tmp_path):
     with pytest.raises(DraftsmithError, match="--engines"):
         _cfg(tmp_path, engines=["tgi"])

@@ -115,6 +115,9 @@ def _row_report(state: BenchState, r: int, cfg: BenchConfig) -> dict[str, Any] |
                                               for p, v in verdicts.items() if v.kind != "identical"]}
     if row.kind == "drafter":
         out["acceptance"] = pooled_acceptance(runs, row.k)
+        # the stop rule its rounds drafted under (--draft-confidence); serving engines draft every token
+        out["draft_confidence"] = ((state.draft_confidence.get(row.drafter) or {}).get("setting", "off")
+                                   if row.engine == OURS else "off")
     if row.quant is not None:
         out["quality"] = _quality(state, r, b0, done)
     return out
@@ -426,17 +429,25 @@ def engine_agreement(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     ``ratio`` is the serving engine's acceptance length over ours (1.0: they agree); the
     target is within 10%. Per position where the engine reports it (vLLM does, llama.cpp not).
+
+    Ours is the row of the same draft and k that drafted under the same rule: a serving engine
+    drafts every token, so where our row of that label stops early (``--draft-confidence auto``)
+    its ``LABEL~off`` row is the one compared (the bench adds it when a serving engine is measured).
     """
+    def rule(x: dict[str, Any]) -> str:
+        return x.get("draft_confidence") or "off"
+
     out = []
     for r in rows:
         if r.get("engine", OURS) == OURS or r["kind"] != "drafter" or not r.get("acceptance"):
             continue
-        mine = next((x for x in rows if x.get("engine", OURS) == OURS and x["drafter"] == r["drafter"]
-                     and x["k"] == r["k"] and x.get("acceptance")), None)
+        same = [x for x in rows if x.get("engine", OURS) == OURS and x["k"] == r["k"] and x.get("acceptance")
+                and x["drafter"] is not None and x["drafter"].split("~")[0] == r["drafter"] and rule(x) == rule(r)]
+        mine = next((x for x in same if x["drafter"] == r["drafter"]), same[0] if same else None)
         if mine is None:
             continue
         a, b = mine["acceptance"], r["acceptance"]
-        out.append({"engine": r["engine"], "drafter": r["drafter"], "k": r["k"],
+        out.append({"engine": r["engine"], "drafter": r["drafter"], "k": r["k"], "ours_row": mine["name"],
                     "acceptance_length": {"ours": a["acceptance_length"], "engine": b["acceptance_length"]},
                     "ratio": b["acceptance_length"] / a["acceptance_length"],
                     "per_position": {"ours": a["per_position_acceptance"], "engine": b["per_position_acceptance"]}})
@@ -578,8 +589,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", "## Acceptance where it is served (the engine's own counters vs ours)", ""]
         for a in agree:
             pos = a["per_position"]["engine"]
+            ours = a.get("ours_row") or f"{a['drafter']} k={a['k']}"
             lines.append(f"- **{a['engine']}** {a['drafter']} k={a['k']}: acceptance length "
                          f"{a['acceptance_length']['engine']:.2f} vs ours {a['acceptance_length']['ours']:.2f} "
+                         + (f"(our row {ours}) " if ours != f"{a['drafter']} k={a['k']}" else "") +
                          f"({100 * (a['ratio'] - 1):+.0f}%; target within 10%)"
                          + (f"; per position {' '.join(f'{x:.2f}' for x in pos)}" if pos else ""))
     lines += ["", "Plots: " + ", ".join(f"[{p}]({p})" for p in PLOTS) + ". All numbers: report.json."]

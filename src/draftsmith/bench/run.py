@@ -91,7 +91,9 @@ class BenchSettings:
              "what verifying it costs, (T_verify(i+1) - T_verify(i) + one draft step) / T(1), from this "
              "machine's step prices measured before timing; near 0 where verifying more tokens is nearly free); "
              "off (always k tokens); or a number in [0, 1] (that cumulative confidence at every position). "
-             "Output is unchanged. The first keeps the draft's label; the others are measured as LABEL~VALUE")
+             "Output is unchanged. The first keeps the draft's label; the others are measured as LABEL~VALUE. "
+             "Serving engines (--engines) draft every token, so off is added where they are measured: their "
+             "acceptance is compared with our off rows")
 
     def __post_init__(self) -> None:
         bad_q = [q for q in self.quantize if q not in QUANTIZATIONS]
@@ -112,6 +114,9 @@ class BenchSettings:
         if bad or not self.engines:
             raise DraftsmithError(f"--engines: expected some of {list(ENGINES)}, got {self.engines}")
         self.engines = list(dict.fromkeys(self.engines))
+        if any(e != OURS for e in self.engines) and "off" not in self.draft_confidence:
+            # serving engines draft every token: our off rows are what their acceptance is compared with
+            self.draft_confidence.append("off")
         if self.temperature > 0 and self.engines != [OURS]:
             raise DraftsmithError("--engines: serving engines are measured greedy (--temperature 0) only")
         if self.dataset == "self":

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from draftsmith.engines import OURS
 from draftsmith.errors import DraftsmithError
 from draftsmith.gate import MIN_JUDGED_PROMPTS
 from draftsmith.utils import complete_lines
@@ -120,10 +121,19 @@ def _mins(seconds: float) -> str:
     return f"{seconds / 60:.1f} min"
 
 
+def stop_rules(bench: Any) -> list[str]:
+    """The bench's ``--draft-confidence`` settings as it runs them (``off`` joins them where a serving
+    engine is measured: :class:`~draftsmith.bench.run.BenchConfig`)."""
+    rules = list(bench.draft_confidence)
+    if any(e != OURS for e in getattr(bench, "engines", [OURS])) and "off" not in rules:
+        rules.append("off")
+    return rules
+
+
 def bench_row_count(bench: Any, drafts: int) -> int:
     """Rows our engine decodes in the pipeline's bench: plain, each draft at each precision, stop rule
     and k, HF generate and prompt lookup, and per quantization its plain row and each draft row again."""
-    draft_rows = (drafts * len(bench.draft_precision) * len(bench.draft_confidence)
+    draft_rows = (drafts * len(bench.draft_precision) * len(stop_rules(bench))
                   * (1 if bench.choose_k else len(bench.num_draft_tokens)))
     return 1 + draft_rows + 2 * bench.hf_reference + len(bench.quantize) * (1 + draft_rows)
 
@@ -142,7 +152,7 @@ def calibration_seconds(rates: Rates, bench: Any, drafts: int) -> float:
     stop rule and k, priced at the plain decode's rate (a draft's tokens come no dearer)."""
     from draftsmith.bench.measure import CALIBRATION_PASSES, CALIBRATION_TOKENS
 
-    runs = 1 + drafts * len(bench.draft_precision) * len(bench.draft_confidence) * len(set([1, *bench.num_draft_tokens]))
+    runs = 1 + drafts * len(bench.draft_precision) * len(stop_rules(bench)) * len(set([1, *bench.num_draft_tokens]))
     tokens = min(bench.max_new_tokens, CALIBRATION_TOKENS)
     return CALIBRATION_PASSES * runs * (rates.prompt_tokens * rates.capture_per_token
                                         + tokens * rates.decode_per_token)
@@ -153,7 +163,7 @@ def pilot_seconds(rates: Rates, bench: Any, drafts: int) -> float:
     prompts once (0 without ``choose_k``)."""
     if not bench.choose_k:
         return 0.0
-    runs = bench.pilot_prompts * drafts * len(bench.draft_precision) * len(bench.draft_confidence)
+    runs = bench.pilot_prompts * drafts * len(bench.draft_precision) * len(stop_rules(bench))
     return bench_seconds(rates, runs, bench.max_new_tokens, 1, 1) - bench_seconds(rates, 0, bench.max_new_tokens, 1, 1)
 
 
