@@ -227,13 +227,13 @@ def _priced_by_rows(state: BenchState, name: str, profile: DrafterProfile, costs
     this one does not), and work the engine does between its steps (both miss).
     """
     def timed(i: int) -> tuple[list[RunResult], dict[int, list[float]]]:  # row i's runs, its steps by length
-        runs = [x for (r, _), xs in state.results.items() if r == i for x in xs]
+        runs = _runs_of(state, i)
         steps: dict[int, list[float]] = {}
         for x in runs:
             pool_steps(steps, (x.stats or {}).get("step_seconds") or {})
         return runs, steps
 
-    plain = next((i for i, r in enumerate(state.rows) if r.kind == "plain" and r.quant is None), None)
+    plain = _plain_index(state)
     if plain is None:
         return {}
     t1 = timed(plain)[1].get(1, [])
@@ -272,9 +272,17 @@ def unpriced_per_round(runs: list[RunResult]) -> float | None:
     return spent / rounds if rounds else None
 
 
+def _plain_index(state: BenchState) -> int | None:
+    """Our full-precision plain row (the T(1) every prediction divides by)."""
+    return next((i for i, r in enumerate(state.rows) if r.kind == "plain" and r.quant is None), None)
+
+
+def _runs_of(state: BenchState, i: int) -> list[RunResult]:
+    return [x for (r, _), xs in state.results.items() if r == i for x in xs]
+
+
 def _plain_unpriced(state: BenchState) -> float | None:
-    plain = next((i for i, r in enumerate(state.rows) if r.kind == "plain" and r.quant is None), None)
-    runs = [x for (r, _), xs in state.results.items() if r == plain for x in xs]
+    runs = _runs_of(state, _plain_index(state))
     return unpriced_per_round(runs) if runs else None
 
 
@@ -589,10 +597,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", "## Acceptance where it is served (the engine's own counters vs ours)", ""]
         for a in agree:
             pos = a["per_position"]["engine"]
-            ours = a.get("ours_row") or f"{a['drafter']} k={a['k']}"
-            lines.append(f"- **{a['engine']}** {a['drafter']} k={a['k']}: acceptance length "
+            label = f"{a['drafter']} k={a['k']}"
+            other = a.get("ours_row") not in (None, label)  # ours under another label (its off row)
+            lines.append(f"- **{a['engine']}** {label}: acceptance length "
                          f"{a['acceptance_length']['engine']:.2f} vs ours {a['acceptance_length']['ours']:.2f} "
-                         + (f"(our row {ours}) " if ours != f"{a['drafter']} k={a['k']}" else "") +
+                         + (f"(our row {a['ours_row']}) " if other else "") +
                          f"({100 * (a['ratio'] - 1):+.0f}%; target within 10%)"
                          + (f"; per position {' '.join(f'{x:.2f}' for x in pos)}" if pos else ""))
     lines += ["", "Plots: " + ", ".join(f"[{p}]({p})" for p in PLOTS) + ". All numbers: report.json."]
