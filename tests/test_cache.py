@@ -368,13 +368,16 @@ def test_models_do_not_import_decoding():
 
 
 @pytest.mark.slow
-def test_compiled_steps_equal_eager_and_are_reused():
-    """--compile: the same tokens as eager (plain and EAGLE-3 drafted), compiled once, reused on the next prompt."""
+@pytest.mark.parametrize("wrapper", ["python", "cpp"])
+def test_compiled_steps_equal_eager_and_are_reused(monkeypatch, wrapper):
+    """--compile: the same tokens as eager (plain and EAGLE-3 drafted), compiled once, reused on the next
+    prompt; under either host-code wrapper (runner.CPU_WRAPPER: the engine's default is ``cpp``)."""
     from test_eagle3 import _draft
 
     from draftsmith.decoding import Eagle3Proposer
 
-    verifier = tiny_model("llama", layers=3)
+    monkeypatch.setenv("DRAFTSMITH_COMPILE_WRAPPER", wrapper)
+    verifier = tiny_model("llama", layers=3, seed=0 if wrapper == "python" else 1)  # each its own graphs
     prompts = [_ids(10, 3).tolist(), _ids(14, 4).tolist()]
     d = _draft(verifier, vd=64)
     d.config.aux_layer_ids = [0, 1, 3]
@@ -399,6 +402,9 @@ def test_compiled_steps_equal_eager_and_are_reused():
     # ... and none of them needed a graph its distinguishing guards could not find (the signature
     # tells apart every call dynamo's guards do here: views by their offsets among them)
     assert not runner_mod._COMPILED[verifier].fn.distrusted and not proposer._compiled.distrusted
+    # and they compiled under the wrapper asked for
+    for fn in (runner_mod._COMPILED[verifier].fn, proposer._compiled):
+        assert fn.options.get("cpp_wrapper", False) is (wrapper == "cpp")
 
 
 _FACTOR = 2.0
@@ -548,6 +554,46 @@ def test_verify_pick_and_its_setting(monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_VERIFY_TIER", "mkl")
     with pytest.raises(DraftsmithError, match="DRAFTSMITH_VERIFY_TIER"):
         verify_candidates(False)
+
+
+def test_compile_wrapper_setting_and_tiers(monkeypatch):
+    """The C++ wrapper goes before the first tier as it is; ``python`` keeps the tiers; the setting is checked."""
+    from draftsmith.decoding.runner import CPU_WRAPPER, compile_wrapper, wrapped_tiers
+
+    a, b = {"freezing": True}, {}
+    monkeypatch.delenv("DRAFTSMITH_COMPILE_WRAPPER", raising=False)
+    assert compile_wrapper() == "cpp"  # the engine's default (the tests run under python: conftest)
+    assert wrapped_tiers((a, b)) == ({"freezing": True, **CPU_WRAPPER}, a, b) and a == {"freezing": True}
+    monkeypatch.setenv("DRAFTSMITH_COMPILE_WRAPPER", "python")
+    assert wrapped_tiers((a, b)) == (a, b)
+    monkeypatch.setenv("DRAFTSMITH_COMPILE_WRAPPER", "rust")
+    with pytest.raises(DraftsmithError, match="expected cpp or python"):
+        wrapped_tiers((a, b))
+
+
+@pytest.mark.slow
+def test_a_cpp_wrapper_that_does_not_build_gives_way_to_the_tier_without_it(monkeypatch, caplog):
+    """CompiledFn under the C++ wrapper: compiled, it computes what the function does, with the wrapper
+    in its options; a wrapper that cannot build (here: a compiler that does not exist, for the wrapper's
+    tier only) gives way to the same tier without it; the control: under ``python`` no wrapper is tried."""
+    from draftsmith.decoding import runner
+
+    lin = torch.nn.Linear(16, 8, bias=False)
+    x = torch.randn(3, 16)
+    monkeypatch.setenv("DRAFTSMITH_COMPILE_WRAPPER", "cpp")
+    monkeypatch.setattr(runner, "CPU_COMPILE_TIERS", ({"freezing": True},))
+    with torch.no_grad():
+        c = runner.CompiledFn(lambda t: lin(t).relu(), torch.device("cpu"))
+        assert torch.allclose(c(x), lin(x).relu(), atol=1e-6)
+        assert c.tier == 0 and c.options.get("cpp_wrapper") is True
+        monkeypatch.setattr(runner, "CPU_WRAPPER", {"cpp_wrapper": True, "cpp.cxx": ("/nonexistent/g++",)})
+        c = runner.CompiledFn(lambda t: lin(t).tanh(), torch.device("cpu"))
+        assert torch.allclose(c(x), lin(x).tanh(), atol=1e-6)
+        assert c.tier == 1 and "cpp_wrapper" not in c.options and "trying" in caplog.text
+        monkeypatch.setenv("DRAFTSMITH_COMPILE_WRAPPER", "python")
+        c = runner.CompiledFn(lambda t: lin(t).sigmoid(), torch.device("cpu"))
+        assert torch.allclose(c(x), lin(x).sigmoid(), atol=1e-6)
+        assert c.tier == 0 and "cpp_wrapper" not in c.options
 
 
 def test_compile_guards_setting_is_checked(monkeypatch):
@@ -703,7 +749,7 @@ def test_a_cpu_compile_tier_that_fails_gives_way_to_the_next(monkeypatch, caplog
     c = runner.CompiledFn(fn, torch.device("cpu"))
     with torch.no_grad():
         assert torch.allclose(c(x), fn(x))
-    assert c.tier == 1 and "trying" in caplog.text
+    assert c.tiers[c.tier] == {} and c.tier == len(c.tiers) - 1 and "trying" in caplog.text
     monkeypatch.setattr(runner, "CPU_COMPILE_TIERS", (broken,))
     with torch.no_grad(), pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
         runner.CompiledFn(lambda x: lin(x).sigmoid(), torch.device("cpu"))(x)
@@ -718,17 +764,18 @@ def _int8_pair(seed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cache_frozen", [False, True])
-def test_frozen_compiles_never_reuse_another_models_cached_weights(monkeypatch, tmp_path, cache_frozen):
+@pytest.mark.parametrize("cache_frozen,wrapper", [(False, "python"), (True, "python"), (False, "cpp")])
+def test_frozen_compiles_never_reuse_another_models_cached_weights(monkeypatch, tmp_path, cache_frozen, wrapper):
     """Two int8 modules of one shape, different weights, each compiled under the frozen C++ tier.
     Inductor's FX graph cache keys a frozen graph by its weights' shapes only, and the int8
     template's weights packed at compile time are stored in the cache entry: the second module
     would multiply the first one's weights (an int8 draft accepting nothing; PyTorch 2.13).
-    CompiledFn compiles frozen tiers without that cache. The control (cache_frozen: the cache
-    left on) shows the test sees the stale weights."""
+    CompiledFn compiles frozen tiers without that cache, under either host-code wrapper. The
+    control (cache_frozen: the cache left on) shows the test sees the stale weights."""
     from draftsmith.decoding import runner
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("DRAFTSMITH_COMPILE_WRAPPER", wrapper)
     monkeypatch.setattr(runner, "CPU_COMPILE_TIERS", (runner.CPU_COMPILE_TIERS[0],))
     if cache_frozen:
         monkeypatch.setattr(runner, "FROZEN_UNCACHED", {})

@@ -210,6 +210,32 @@ CPU_COMPILE_TIERS: tuple[dict[str, Any], ...] = (
 FROZEN_UNCACHED: dict[str, Any] = {"fx_graph_cache": False}
 
 
+#: inductor's C++ wrapper on the CPU: the compiled step's host code, which calls the ~300 kernels of
+#: a SmolLM2-135M step one by one and checks their arguments, generated as C++ instead of Python,
+#: and built apart from the kernels (``cpp_wrapper_build_separate``: at -O1, +130 s of compile for
+#: every step of a bench with a draft instead of +235 s in one -O3 build, as fast). Intel Sapphire
+#: Rapids, float32, 2 threads: ``generate`` 4-5% more tokens per second, plain and with an EAGLE-3
+#: draft (BENCHMARKS 15). A tier under it that fails to compile gives way to the same tier without.
+CPU_WRAPPER: dict[str, Any] = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+
+
+def compile_wrapper() -> str:
+    """Which host code a compiled CPU step runs (``DRAFTSMITH_COMPILE_WRAPPER``): ``cpp`` (the default,
+    :data:`CPU_WRAPPER`) or ``python`` (inductor's default; compiles faster)."""
+    mode = os.environ.get("DRAFTSMITH_COMPILE_WRAPPER", "cpp").strip().lower()
+    if mode not in ("cpp", "python"):
+        raise DraftsmithError(f"DRAFTSMITH_COMPILE_WRAPPER={mode!r}: expected cpp or python")
+    return mode
+
+
+def wrapped_tiers(tiers: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], ...]:
+    """``tiers`` as a compiled CPU step tries them: under :func:`compile_wrapper` ``cpp``, the first
+    with :data:`CPU_WRAPPER` before it as it is (a wrapper that does not build costs one compile)."""
+    if compile_wrapper() == "python" or not tiers:
+        return tiers
+    return (dict(tiers[0], **CPU_WRAPPER), *tiers)
+
+
 #: The compiled verify step's other candidate on the CPU: the weights read as they are (not frozen),
 #: so its matmuls are ATen's ``mm``/``addmm`` (MKL). On an Intel Sapphire Rapids (float32, SmolLM2-135M)
 #: a verify of 3 tokens cost 26.4 ms this way against 31.5 ms with the C++ GEMM template, whose
@@ -267,8 +293,8 @@ def _own_code(fn: Callable) -> Callable:
 
 class CompiledFn:
     """``torch.compile(fn)``: CUDA graphs on CUDA (``reduce-overhead``); on CPU, under the first of
-    :data:`CPU_COMPILE_TIERS` that compiles (inductor reads its options while it compiles, which
-    happens inside a call: every call runs under them).
+    :data:`CPU_COMPILE_TIERS` (or ``tiers``; :func:`wrapped_tiers`) that compiles (inductor reads its
+    options while it compiles, which happens inside a call: every call runs under them).
 
     The CPU tiers freeze the weights fn reads: a graph keeps multiplying the values they had when
     it was compiled. Whoever holds one rebuilds it when the weights change (:func:`weights_version`).
@@ -278,6 +304,8 @@ class CompiledFn:
                  tiers: tuple[dict[str, Any], ...] | None = None) -> None:
         self.raw, self.cuda = _own_code(fn), torch.device(device).type == "cuda"
         self.tiers = CPU_COMPILE_TIERS if tiers is None else tiers
+        if not self.cuda:
+            self.tiers = wrapped_tiers(self.tiers)
         self.tier = 0
         self.skip_guards = guard_skipping(self.cuda)
         self._build()

@@ -50,9 +50,11 @@ TOPUP_SLACK = 0.25
 #: one-off compile time the bench reserves with ``bench.compile``: the verifier's graphs (the one-token
 #: step and both verify candidates, each verify length timed once) and each draft's. Measured for
 #: SmolLM2-135M and one draft at two precisions: 233 s on the SPR and 299 s on the EPYC with one verify
-#: candidate, 326.5 s on the EPYC with two (BENCHMARKS.md 9q, 9n, 9s), where 90 + 2 x 30 s were reserved
-COMPILE_VERIFIER_SECONDS = 240.0
-COMPILE_DRAFT_SECONDS = 45.0
+#: candidate, 326.5 s on the EPYC with two (BENCHMARKS.md 9q, 9n, 9s), where 90 + 2 x 30 s were reserved;
+#: with the steps' host code in C++ (``runner.CPU_WRAPPER``), one int8 draft: 355-366 s on the SPR
+#: against 233-235 s under the Python wrapper, side by side (BENCHMARKS.md 15)
+COMPILE_VERIFIER_SECONDS = 300.0
+COMPILE_DRAFT_SECONDS = 70.0
 #: reply lengths of the regeneration calibration (tokens): fixed cost and cost per decode step
 SHORT_REPLY, LONG_REPLY = 2, 18
 #: training steps the calibration times, and how many of them are warm-up (not counted)
