@@ -214,8 +214,9 @@ FROZEN_UNCACHED: dict[str, Any] = {"fx_graph_cache": False}
 #: a SmolLM2-135M step one by one and checks their arguments, generated as C++ instead of Python,
 #: and built apart from the kernels (``cpp_wrapper_build_separate``: at -O1, +130 s of compile for
 #: every step of a bench with a draft instead of +235 s in one -O3 build, as fast). Intel Sapphire
-#: Rapids, float32, 2 threads: ``generate`` 4-5% more tokens per second, plain and with an EAGLE-3
-#: draft (BENCHMARKS 15). A tier under it that fails to compile gives way to the same tier without.
+#: Rapids, float32, 2 threads: the one-token step 2.5-3.0% faster; ``generate`` ~5% more tokens per
+#: second plain, ~3% with an EAGLE-3 draft at k = 2 (BENCHMARKS 15). A tier under it that fails to
+#: compile gives way to the same tier without.
 CPU_WRAPPER: dict[str, Any] = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 
