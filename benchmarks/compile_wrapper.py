@@ -66,14 +66,14 @@ def main() -> None:
     from draftsmith.models.quantize import quantize_draft
     from draftsmith.models.verifier import load_verifier
 
-    def load(seed: int = 0):
+    def load():
         model, tok, fp = load_verifier(args.verifier, dtype="float32", device="cpu")
         if args.draft:
             from draftsmith.drafters import load_draft
 
             proposer = load_draft(args.draft, model, precision=args.draft_precision)
         else:
-            torch.manual_seed(seed)
+            torch.manual_seed(0)  # both arms draw the same random draft
             draft = eagle3_draft(model, 32000)
             proposer = Eagle3Proposer(quantize_draft(draft, args.draft_precision))
         proposer.min_confidence = args.draft_confidence
