@@ -10,9 +10,9 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Compiled CPU steps under inductor's Python wrapper: the C++ one (the engine's default) builds each
-# graph's host code with a C++ compiler, ~4x the compile time of test_cache.py; the tests that
-# compile under it set DRAFTSMITH_COMPILE_WRAPPER=cpp themselves.
+# Compiled CPU steps under inductor's Python wrapper: the C++ one (the engine's default on CPUs with
+# AMX) builds each graph's host code with a C++ compiler, ~4x the compile time of test_cache.py; the
+# tests that compile under it set DRAFTSMITH_COMPILE_WRAPPER=cpp themselves.
 os.environ.setdefault("DRAFTSMITH_COMPILE_WRAPPER", "python")
 
 VOCAB = 128

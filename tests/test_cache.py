@@ -557,17 +557,26 @@ def test_verify_pick_and_its_setting(monkeypatch):
 
 
 def test_compile_wrapper_setting_and_tiers(monkeypatch):
-    """The C++ wrapper goes before the first tier as it is; ``python`` keeps the tiers; the setting is checked."""
+    """The C++ wrapper goes before the first tier as it is; ``python`` keeps the tiers; ``auto`` (the
+    default) takes it on a CPU with AMX tiles only; the setting is checked."""
     from draftsmith.decoding.runner import CPU_WRAPPER, compile_wrapper, wrapped_tiers
 
     a, b = {"freezing": True}, {}
-    monkeypatch.delenv("DRAFTSMITH_COMPILE_WRAPPER", raising=False)
-    assert compile_wrapper() == "cpp"  # the engine's default (the tests run under python: conftest)
+    monkeypatch.delenv("DRAFTSMITH_COMPILE_WRAPPER", raising=False)  # auto (the tests run under python: conftest)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert compile_wrapper() == "cpp"
     assert wrapped_tiers((a, b)) == ({"freezing": True, **CPU_WRAPPER}, a, b) and a == {"freezing": True}
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # oneDNN's limit does not change the host code's answer
+    assert compile_wrapper() == "cpp"
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert compile_wrapper() == "python" and wrapped_tiers((a, b)) == (a, b)
+    monkeypatch.setenv("DRAFTSMITH_COMPILE_WRAPPER", " CPP ")
+    assert compile_wrapper() == "cpp" and wrapped_tiers((a, b))[0] == {"freezing": True, **CPU_WRAPPER}
     monkeypatch.setenv("DRAFTSMITH_COMPILE_WRAPPER", "python")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     assert wrapped_tiers((a, b)) == (a, b)
     monkeypatch.setenv("DRAFTSMITH_COMPILE_WRAPPER", "rust")
-    with pytest.raises(DraftsmithError, match="expected cpp or python"):
+    with pytest.raises(DraftsmithError, match="expected one of auto, cpp, python"):
         wrapped_tiers((a, b))
 
 

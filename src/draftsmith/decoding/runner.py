@@ -215,17 +215,26 @@ FROZEN_UNCACHED: dict[str, Any] = {"fx_graph_cache": False}
 #: and built apart from the kernels (``cpp_wrapper_build_separate``: at -O1, +130 s of compile for
 #: every step of a bench with a draft instead of +235 s in one -O3 build, as fast). Intel Sapphire
 #: Rapids, float32, 2 threads: the one-token step 2.5-3.0% faster; ``generate`` ~5% more tokens per
-#: second plain, ~3% with an EAGLE-3 draft at k = 2 (BENCHMARKS 15). A tier under it that fails to
-#: compile gives way to the same tier without.
+#: second plain, ~3% with an EAGLE-3 draft at k = 2. AMD EPYC (Zen 4, no AMX): the step 1-2% *slower*,
+#: ``generate`` plain ~2% slower, with a draft even (both load orders; BENCHMARKS 15). Hence
+#: :func:`compile_wrapper`'s ``auto``. A tier under it that fails to compile gives way to the same
+#: tier without.
 CPU_WRAPPER: dict[str, Any] = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+
+#: ``DRAFTSMITH_COMPILE_WRAPPER`` values
+COMPILE_WRAPPERS = ("auto", "cpp", "python")
 
 
 def compile_wrapper() -> str:
-    """Which host code a compiled CPU step runs (``DRAFTSMITH_COMPILE_WRAPPER``): ``cpp`` (the default,
-    :data:`CPU_WRAPPER`) or ``python`` (inductor's default; compiles faster)."""
-    mode = os.environ.get("DRAFTSMITH_COMPILE_WRAPPER", "cpp").strip().lower()
-    if mode not in ("cpp", "python"):
-        raise DraftsmithError(f"DRAFTSMITH_COMPILE_WRAPPER={mode!r}: expected cpp or python")
+    """Which host code a compiled CPU step runs (``DRAFTSMITH_COMPILE_WRAPPER``): ``cpp``
+    (:data:`CPU_WRAPPER`), ``python`` (inductor's default; compiles faster), or ``auto`` (the default):
+    ``cpp`` on a CPU with AMX tiles, the kind it was measured faster on (an Intel Sapphire Rapids),
+    ``python`` elsewhere (an AMD EPYC ran it 1-2% slower). Returns ``cpp`` or ``python``."""
+    mode = os.environ.get("DRAFTSMITH_COMPILE_WRAPPER", "auto").strip().lower()
+    if mode not in COMPILE_WRAPPERS:
+        raise DraftsmithError(f"DRAFTSMITH_COMPILE_WRAPPER={mode!r}: expected one of {', '.join(COMPILE_WRAPPERS)}")
+    if mode == "auto":  # the CPU's own flag: the wrapper is host code, whatever oneDNN is limited to
+        return "cpp" if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)() else "python"
     return mode
 
 
