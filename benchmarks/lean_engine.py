@@ -391,7 +391,7 @@ def section_draft(args, model, out: dict) -> None:
                         logits, h = old_draft_step(prop.draft, t.reshape(1, 1), h, p, old_cache)
                     else:
                         logits, h = prop._step(t.reshape(1, 1), h, p)  # one cached draft step ...
-                    t, _ = prop._choose(logits[0, -1], greedy, None)  # ... and its token (argmax, d2t)
+                    t = prop._choose(logits[0, -1], greedy, None)[0]  # ... and its token (argmax, d2t)
                     h = h[:, -1:]
                     sync(device)
                     chain.append(time.perf_counter() - t0)
