@@ -379,8 +379,8 @@ def guard_skipping(cuda: bool) -> bool:
 
 def _signature_of(a: Any) -> Any:
     """One argument's part of :func:`call_signature`; TypeError for a value it cannot key by."""
-    if isinstance(a, torch.Tensor):
-        return (tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device, a.requires_grad)
+    if isinstance(a, torch.Tensor):  # is_inference: dynamo guards the dispatch keys, which it changes
+        return (tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device, a.requires_grad, a.is_inference())
     if isinstance(a, KVCache):
         k = a.keys[0]
         return ("cache", id(a), a.capacity, len(a.keys), tuple(k.shape), k.dtype, k.device, a.static,
@@ -394,7 +394,8 @@ def _signature_of(a: Any) -> Any:
 
 def call_signature(args: tuple) -> tuple | None:
     """What selects a compiled graph for a call of a compiled step: each tensor's shape, strides,
-    storage offset (dynamo guards views by it), dtype and device; each cache by identity and the
+    storage offset (dynamo guards views by it), dtype, device and whether it is an inference tensor
+    (a tensor made outside ``inference_mode`` has other dispatch keys: another graph); each cache by identity and the
     shape, dtype and windows of its buffers; lists and tuples element by element; other values as
     they are (ints, floats, strings); and the autograd mode. Two calls of one signature run the same
     graph on whatever the tensors hold. None (check every guard) for a value it cannot key by."""
