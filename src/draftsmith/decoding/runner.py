@@ -396,9 +396,10 @@ def call_signature(args: tuple) -> tuple | None:
     """What selects a compiled graph for a call of a compiled step: each tensor's shape, strides,
     storage offset (dynamo guards views by it), dtype, device and whether it is an inference tensor
     (one made outside ``inference_mode`` has other dispatch keys: another graph); each cache by
-    identity and the shape, dtype and windows of its buffers; lists and tuples element by element; other values as
-    they are (ints, floats, strings); and the autograd mode. Two calls of one signature run the same
-    graph on whatever the tensors hold. None (check every guard) for a value it cannot key by."""
+    identity and the shape, dtype and windows of its buffers; lists and tuples element by element;
+    other values as they are (ints, floats, strings); and the autograd mode. Two calls of one
+    signature run the same graph on whatever the tensors hold. None (check every guard) for a value
+    it cannot key by."""
     try:
         return (torch.is_grad_enabled(), torch.is_inference_mode_enabled()) + tuple(_signature_of(a) for a in args)
     except TypeError:
