@@ -68,14 +68,15 @@ def check_device_name(device: str, flag: str = "--device") -> None:
         raise DraftsmithError(f"{flag}: unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
 
 
-def cpu_has_amx() -> bool:
+def cpu_has_amx(onednn_limit: bool = True) -> bool:
     """Whether bfloat16 matmuls run on AMX here (then ~10x float32's speed; without it, far slower).
 
     The CPU's flag, unless oneDNN is limited below AMX with ``ONEDNN_MAX_CPU_ISA`` (e.g. ``AVX2``):
     torch's bfloat16 matmuls then run without AMX, and so does this answer (how an AMX machine
-    measures what a CPU without AMX gets).
+    measures what a CPU without AMX gets). ``onednn_limit=False``: the CPU's flag alone (for what
+    does not run through oneDNN).
     """
-    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() if onednn_limit else ""
     if isa and isa not in ("ALL", "DEFAULT") and "AMX" not in isa:
         return False
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())

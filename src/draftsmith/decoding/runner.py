@@ -234,7 +234,9 @@ def compile_wrapper() -> str:
     if mode not in COMPILE_WRAPPERS:
         raise DraftsmithError(f"DRAFTSMITH_COMPILE_WRAPPER={mode!r}: expected one of {', '.join(COMPILE_WRAPPERS)}")
     if mode == "auto":  # the CPU's own flag: the wrapper is host code, whatever oneDNN is limited to
-        return "cpp" if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)() else "python"
+        from draftsmith.utils import cpu_has_amx
+
+        return "cpp" if cpu_has_amx(onednn_limit=False) else "python"
     return mode
 
 
