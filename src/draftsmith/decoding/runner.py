@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from draftsmith.decoding.frozen import after_compiled_call
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.kv import KVCache
 from draftsmith.models.lean import LeanDecoder, layer_windows, lean_unsupported
@@ -351,6 +352,8 @@ class CompiledFn:
                         self.trusted.discard(sig)
                         self.distrusted.add(sig)
                 out = self._run(args)
+                if self.options.get("freezing"):  # a graph compiled now packed its own copy of the weights
+                    after_compiled_call()
                 if sig is not None and sig not in self.distrusted:
                     self.trusted.add(sig)
                 return out
