@@ -20,6 +20,7 @@ def _graph(constants: dict[str, torch.Tensor], frozen_params: bool = True):
     g = object.__new__(CompiledFxGraph)
     g.constants = constants
     g.frozen_param_names = {"w": "p"} if frozen_params else {}
+    g.compiled_fn_runner = None  # read when it is freed
     return g
 
 
@@ -32,7 +33,7 @@ def test_share_moves_equal_constants_and_leaves_the_rest(monkeypatch):
     torch.manual_seed(0)
     n = 3 * frozen._SAMPLE  # large enough that the key samples every third byte or fewer
     first = torch.randn(n // 4)
-    base = first.clone().reshape(3, -1)
+    base = first.reshape(3, -1).clone()
     later = base.view(-1)  # a view: its base must move too, or the old storage stays alive
     odd = first.clone()
     odd.view(torch.uint8)[1] ^= 1  # not a sampled byte: same key, other bytes
@@ -78,13 +79,13 @@ def test_compiled_steps_hold_one_copy_of_the_packed_weights(monkeypatch):
     memory, and both steps compute bitwise what they computed with their own copies."""
     monkeypatch.setenv("DRAFTSMITH_VERIFY_TIER", "template")  # frozen candidates only
     model = tiny_model("llama", layers=2, seed=11)
-    prompt, nxt, draft = torch.arange(9) + 3, torch.tensor([7]), torch.tensor([5, 9, 2])
     out, shared = {}, {}
     for share in ("0", "1"):
         monkeypatch.setenv("DRAFTSMITH_SHARE_CONSTANTS", share)
         runner_mod._COMPILED.pop(model, None)  # graphs of its own
         before = _frozen_ids()
-        with torch.inference_mode():
+        with torch.inference_mode():  # the steps' tensors made inside it, as generate makes them: no recompile
+            prompt, nxt, draft = torch.arange(9) + 3, torch.tensor([7]), torch.tensor([5, 9, 2])
             r = verifier_runner(model, 64, compile=True, warmup_shapes=(1, 2))
             r.forward(prompt, 1)
             out[share] = [r.forward(nxt, 1)[0], r.forward(draft, 3)[0], r.forward(nxt, 1)[0]]

@@ -127,10 +127,11 @@ def share_frozen_constants() -> int:
                 target = other.untyped_storage()
                 if target.data_ptr() == storage.data_ptr() or not torch.equal(_bytes(target), _bytes(storage)):
                     continue
-                x = t
-                while x is not None:  # the constant and its bases: none keeps the old storage alive
+                chain = [t]  # the constant and its bases (set_ cuts a view from its base: list them first)
+                while chain[-1]._base is not None:
+                    chain.append(chain[-1]._base)
+                for x in chain:  # none of them keeps the old storage alive
                     x.set_(target, x.storage_offset(), x.size(), x.stride())
-                    x = x._base
                 freed += storage.nbytes()
                 shared += 1
     for k in [k for k, r in _POOL.items() if r() is None]:
