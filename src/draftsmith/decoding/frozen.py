@@ -13,12 +13,14 @@ Sound because a graph's constants are never written (inductor folds them once, a
 the shared bytes are equal; every tensor on the replaced storage that can be reached (the constant and
 its bases) is moved, so the graph computes from the same bytes as before. A storage a model's
 parameter or buffer also holds is left alone: that one can be written, the constants never are.
+
+After each compile the heap's free memory is given back to the system too (:func:`release_free_heap`):
+a compile's transients otherwise stay resident.
 """
 
 from __future__ import annotations
 
 import gc
-import hashlib
 import logging
 import os
 import time
@@ -28,12 +30,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-#: content key (bytes, digest of a sample) -> a frozen-graph constant whose storage equal ones share
-_POOL: dict[tuple, weakref.ref] = {}
+#: content key (:func:`_key`) -> frozen-graph constants whose storages equal ones share (one per content)
+_POOL: dict[tuple, list[weakref.ref]] = {}
 #: id of a compiled graph already gone through -> a weak reference to it (ids are reused after a free)
 _SEEN: dict[int, weakref.ref] = {}
-#: Sampled bytes of a storage in its content key (a key match is then checked over every byte)
-_SAMPLE = 65536
 
 
 def sharing_enabled() -> bool:
@@ -47,12 +47,16 @@ def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 def _key(storage: torch.UntypedStorage) -> tuple | None:
+    """A checksum of every byte (sums of its 32-bit words, all and every 97th; a key match is then
+    checked byte for byte). Not a sample of bytes: weights dequantized from 4-bit blocks end in the
+    same low bytes, so sampled bytes collide between different tensors of one shape."""
     flat = _bytes(storage)
     n = flat.numel()
     if n == 0:
         return None
-    sample = flat[:: max(1, n // _SAMPLE)].contiguous()
-    return n, hashlib.blake2b(sample.numpy().tobytes(), digest_size=16).digest()
+    words = flat[: n - n % 4].view(torch.int32)
+    return (n, int(words.sum(dtype=torch.int64)), int(words[::97].sum(dtype=torch.int64)),
+            bytes(flat[n - n % 4:].tolist()))
 
 
 def _scan() -> tuple[list, set[int]]:
@@ -80,14 +84,39 @@ _GRAPHS_SEEN = [-1]
 
 
 def after_compiled_call() -> None:
-    """Called after a frozen graph's function ran a call that may have compiled: shares the new
-    graph's constants (:func:`share_frozen_constants`) when dynamo compiled one since the last look."""
+    """Called after a compiled function ran a call that may have compiled: when dynamo compiled a
+    graph since the last look, shares its constants (:func:`share_frozen_constants`) and trims the
+    heap (:func:`release_free_heap`)."""
     from torch._dynamo.utils import counters
 
     n = counters["stats"]["unique_graphs"]
     if n != _GRAPHS_SEEN[0]:
         _GRAPHS_SEEN[0] = n
         share_frozen_constants()
+        release_free_heap()
+
+
+def release_free_heap() -> None:
+    """Give the heap's free memory back to the system (glibc's ``malloc_trim``; elsewhere nothing).
+
+    A compile allocates and frees gigabytes (inductor's lowering, autotuning, the weights packed and
+    their copies given up above); glibc keeps what was freed mapped for the process's next
+    allocations, so the resident size stays near the compile's peak. SmolLM2-135M with an EAGLE-3
+    draft, its steps compiled: 3.4 GiB resident after, 1.9 GiB once trimmed (BENCHMARKS 15c)."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes
+
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):  # not glibc
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None
 
 
 def share_frozen_constants() -> int:
@@ -119,13 +148,17 @@ def share_frozen_constants() -> int:
                 key = _key(storage)
                 if key is None:
                     continue
-                ref = _POOL.get(key)
-                other = ref() if ref is not None else None
-                if other is None:
-                    _POOL[key] = weakref.ref(t)
+                same = _POOL.setdefault(key, [])
+                target = None
+                for ref in same:
+                    other = ref()
+                    if other is not None and torch.equal(_bytes(other.untyped_storage()), _bytes(storage)):
+                        target = other.untyped_storage()
+                        break
+                if target is None:
+                    same.append(weakref.ref(t))
                     continue
-                target = other.untyped_storage()
-                if target.data_ptr() == storage.data_ptr() or not torch.equal(_bytes(target), _bytes(storage)):
+                if target.data_ptr() == storage.data_ptr():
                     continue
                 chain = [t]  # the constant and its bases (set_ cuts a view from its base: list them first)
                 while chain[-1]._base is not None:
@@ -134,8 +167,10 @@ def share_frozen_constants() -> int:
                     x.set_(target, x.storage_offset(), x.size(), x.stride())
                 freed += storage.nbytes()
                 shared += 1
-    for k in [k for k, r in _POOL.items() if r() is None]:
-        del _POOL[k]
+    for k in list(_POOL):
+        _POOL[k] = [r for r in _POOL[k] if r() is not None]
+        if not _POOL[k]:
+            del _POOL[k]
     for k in [k for k, r in _SEEN.items() if r() is None]:
         del _SEEN[k]
     if shared:

@@ -352,8 +352,7 @@ class CompiledFn:
                         self.trusted.discard(sig)
                         self.distrusted.add(sig)
                 out = self._run(args)
-                if self.options.get("freezing"):  # a graph compiled now packed its own copy of the weights
-                    after_compiled_call()
+                after_compiled_call()  # a graph compiled now: its packed weights shared, the heap trimmed
                 if sig is not None and sig not in self.distrusted:
                     self.trusted.add(sig)
                 return out
