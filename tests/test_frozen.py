@@ -58,9 +58,15 @@ def test_share_moves_equal_constants_and_leaves_the_rest(monkeypatch):
     graphs.append(_graph({"w": odd_again}))
     assert frozen.share_frozen_constants() == odd.nbytes
     assert odd_again.untyped_storage().data_ptr() == odd.untyped_storage().data_ptr()
+    # the first graph gone, its memory lives on in the later one's constant, still a target
+    again = first.clone()
+    del graphs[0], first
+    gc.collect()
+    graphs.append(_graph({"w": later.clone()}))
+    assert frozen.share_frozen_constants() == later.nbytes
+    assert graphs[-1].constants["w"].untyped_storage().data_ptr() == ptr
     # the negative control: off, an equal constant of a new graph keeps its own memory
     monkeypatch.setenv("DRAFTSMITH_SHARE_CONSTANTS", "0")
-    again = first.clone()
     graphs.append(_graph({"w": again}))
     assert frozen.share_frozen_constants() == 0 and again.untyped_storage().data_ptr() != ptr
     del graphs

@@ -165,6 +165,7 @@ def share_frozen_constants() -> int:
                     chain.append(chain[-1]._base)
                 for x in chain:  # none of them keeps the old storage alive
                     x.set_(target, x.storage_offset(), x.size(), x.stride())
+                same.append(weakref.ref(t))  # a target still, should the graph it now shares with go
                 freed += storage.nbytes()
                 shared += 1
     for k in list(_POOL):
