@@ -192,7 +192,8 @@ class _CompiledStep:
 #: inductor's C++ GEMM template (``CPP``) multiply them: a kernel tuned for the few rows of a decode
 #: or verify step that streams the weights near memory bandwidth, where MKL's and oneDNN's are not
 #: (AMD EPYC, float32, SmolLM2-135M: a one-token step 24 ms compiled this way, 54 ms eager; BENCHMARKS
-#: 9j). The cost: the packed copy of the weights lives beside the model's own (RSS + ~1x weights).
+#: 9j). The cost: the packed copy of the weights lives beside the model's own (RSS + ~1x weights; one
+#: copy for all of a model's frozen graphs, which would each hold their own: decoding/frozen.py).
 #: The C++ template alone first (tuning it against ATen compiles and times both, +25% compile time
 #: for steps no faster), then with ATen as a choice, then inductor's defaults.
 CPU_COMPILE_TIERS: tuple[dict[str, Any], ...] = (
