@@ -101,6 +101,49 @@ def child(args) -> None:
     print(json.dumps({"stages": stages, "tokens": tokens}))
 
 
+def timing(args) -> dict:
+    """The one-token and verify steps of two copies of the verifier in one process, one compiled with
+    its own packed weights per graph, one with them shared, timed interleaved (``--timing``)."""
+    import statistics
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from draftsmith.decoding.runner import verifier_runner
+    from draftsmith.models.verifier import load_verifier
+
+    arms = {}
+    for arm in args.arms:  # compiled in this order: the load order is the other run's
+        os.environ["DRAFTSMITH_SHARE_CONSTANTS"] = arm
+        model = load_verifier(args.verifier, dtype="float32", device="cpu")[0]
+        with torch.inference_mode():
+            arms[arm] = verifier_runner(model, 600, compile=True, warmup_shapes=(1, 3))
+    ms: dict = {(a, m): [] for a in arms for m in (1, 3)}
+    with torch.inference_mode():
+        ctx = torch.arange(256) % 1000 + 10
+        for r in arms.values():
+            r.forward(ctx, 1)
+        for rep in range(args.step_repeats):
+            for a in (list(arms) if rep % 2 == 0 else list(arms)[::-1]):
+                r = arms[a]
+                for m in (1, 3):
+                    ids = torch.arange(m) + 5
+                    t = time.perf_counter()
+                    for _ in range(20):
+                        r.forward(ids, m)
+                        r.rollback(256)
+                    ms[(a, m)].append((time.perf_counter() - t) / 20 * 1e3)
+    a0, a1 = args.arms
+    out = {}
+    for m in (1, 3):
+        ratio = statistics.median(b / a for a, b in zip(ms[(a0, m)], ms[(a1, m)]))
+        out[f"{m} token(s)"] = {"median_ms": {a: statistics.median(ms[(a, m)]) for a in arms},
+                                f"share={a1} / share={a0} per repeat": ratio, "ms": {a: ms[(a, m)] for a in arms}}
+        print(f"[timing] {m}-token step at 256 cached: " + ", ".join(
+            f"share={a} {statistics.median(ms[(a, m)]):.2f} ms" for a in arms) + f"; ratio {ratio:.4f}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--verifier", default="smollm2-135m")
@@ -114,6 +157,9 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", default=["1", "0"], choices=["1", "0"],
                     help="DRAFTSMITH_SHARE_CONSTANTS of each arm, run in this order, each in its own process")
     ap.add_argument("--trim", action="store_true", help="also report VmRSS after glibc's malloc_trim(0) at each stage")
+    ap.add_argument("--timing", action="store_true", help="instead: both arms' verifier steps in one process, "
+                    "timed interleaved (the arms' order is the load order)")
+    ap.add_argument("--step-repeats", type=int, default=15, help="--timing: interleaved repeats of 20 steps each")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -122,6 +168,14 @@ def main() -> None:
         return
     out: dict = {"verifier": args.verifier, "threads": args.threads, "cpu": platform.processor() or platform.machine(),
                  "load_avg": os.getloadavg(), "args": {a: str(v) for a, v in vars(args).items()}, "arms": {}}
+    if args.timing:
+        if len(args.arms) != 2:
+            ap.error("--timing compares two arms")
+        out["timing"] = timing(args)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(out, indent=1, default=str))
+        return
     for arm in args.arms:
         env = dict(os.environ, DRAFTSMITH_SHARE_CONSTANTS=arm)
         cmd = [sys.executable, __file__, "--child", arm, "--verifier", args.verifier, "--draft-vocab",

@@ -69,6 +69,9 @@ def test_share_moves_equal_constants_and_leaves_the_rest(monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_SHARE_CONSTANTS", "0")
     graphs.append(_graph({"w": again}))
     assert frozen.share_frozen_constants() == 0 and again.untyped_storage().data_ptr() != ptr
+    # ... and stays apart when sharing is on again (a graph compiled while off keeps its own copies)
+    monkeypatch.setenv("DRAFTSMITH_SHARE_CONSTANTS", "1")
+    assert frozen.share_frozen_constants() == 0 and again.untyped_storage().data_ptr() != ptr
     del graphs
     gc.collect()
 

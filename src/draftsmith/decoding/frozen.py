@@ -123,22 +123,24 @@ def share_frozen_constants() -> int:
     """Make the CPU constants of frozen graphs compiled since the last call share the storage of equal
     constants of frozen graphs before them (see the module's doc). Returns the bytes of the copies
     let go (freed, unless something this cannot reach holds them too); 0 where sharing is off
-    (:func:`sharing_enabled`) or this torch keeps its graphs otherwise."""
-    if not sharing_enabled():
-        return 0
+    (:func:`sharing_enabled`: the graphs compiled meanwhile keep their own copies, and are not
+    targets either) or this torch keeps its graphs otherwise."""
     t0 = time.perf_counter()
     try:
         graphs, held = _scan()
     except (ImportError, AttributeError) as e:  # another torch's inductor: nothing shared, nothing broken
         log.debug("frozen constants not shared: %s", e)
         return 0
+    enabled = sharing_enabled()
     freed = shared = 0
     with torch.inference_mode():  # set_ on inference tensors (the constants of graphs compiled inside it)
         for g in graphs:
             seen = _SEEN.get(id(g))
             if (seen is not None and seen() is g) or not getattr(g, "frozen_param_names", None):
                 continue
-            _SEEN[id(g)] = weakref.ref(g)
+            _SEEN[id(g)] = weakref.ref(g)  # compiled while off: keeps its own copies for good
+            if not enabled:
+                continue
             for t in (getattr(g, "constants", None) or {}).values():
                 if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_sparse:
                     continue
