@@ -102,7 +102,7 @@ def release_free_heap() -> None:
     A compile allocates and frees gigabytes (inductor's lowering, autotuning, the weights packed and
     their copies given up above); glibc keeps what was freed mapped for the process's next
     allocations, so the resident size stays near the compile's peak. SmolLM2-135M with an EAGLE-3
-    draft, its steps compiled: 3.4 GiB resident after, 1.9 GiB once trimmed (BENCHMARKS 15c)."""
+    draft, its steps compiled: 3.3 GiB resident after, 1.8 GiB once trimmed (BENCHMARKS 15c)."""
     global _LIBC
     if _LIBC is None:
         try:
