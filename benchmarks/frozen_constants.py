@@ -45,9 +45,9 @@ def _status() -> dict[str, int]:
 
 def _frozen() -> dict[str, float]:
     """The live frozen graphs and the distinct CPU storages their constants hold."""
-    from torch._inductor.output_code import CompiledFxGraph
+    from draftsmith.decoding.frozen import compiled_graphs
 
-    graphs = [o for o in gc.get_objects() if issubclass(type(o), CompiledFxGraph)]
+    graphs = compiled_graphs()
     frozen = [g for g in graphs if getattr(g, "frozen_param_names", None)]
     storages = {}
     for g in frozen:
@@ -78,9 +78,9 @@ def child(args) -> None:
         before = _status()
         trimmed = {}
         if args.trim:  # what the heap holds free beside the live objects: glibc gives it back
-            import ctypes
+            from draftsmith.decoding.frozen import release_free_heap
 
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            release_free_heap()
             trimmed = {"VmRSS_trimmed": _status()["VmRSS"]}
         stages[name] = {**before, **trimmed, **_frozen(), **extra}
         print(f"[{args.child}] {name}: {stages[name]}", file=sys.stderr, flush=True)
@@ -172,10 +172,16 @@ def main() -> None:
         if len(args.arms) != 2:
             ap.error("--timing compares two arms")
         out["timing"] = timing(args)
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(out, indent=1, default=str))
-        return
+    else:
+        memory(args, out)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=1, default=str))
+
+
+def memory(args, out: dict) -> None:
+    """Each arm's stages in a process of its own (the default mode); the table, and whether the
+    arms' tokens are identical, into ``out``."""
     for arm in args.arms:
         env = dict(os.environ, DRAFTSMITH_SHARE_CONSTANTS=arm)
         cmd = [sys.executable, __file__, "--child", arm, "--verifier", args.verifier, "--draft-vocab",
@@ -194,9 +200,6 @@ def main() -> None:
         print(f"{stage:8} " + " ".join(f"{c:>42}" for c in cells))
     out["identical"] = len({json.dumps(out["arms"][a]["tokens"]) for a in arms}) == 1
     print(f"tokens identical in every arm: {out['identical']}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(out, indent=1, default=str))
 
 
 if __name__ == "__main__":

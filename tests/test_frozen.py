@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 
-import pytest
 import torch
 from conftest import tiny_model
 
@@ -77,10 +76,7 @@ def test_share_moves_equal_constants_and_leaves_the_rest(monkeypatch):
 
 
 def _new_frozen_graphs(before: set[int]) -> list:
-    from torch._inductor.output_code import CompiledFxGraph
-
-    return [o for o in gc.get_objects() if issubclass(type(o), CompiledFxGraph)
-            and getattr(o, "frozen_param_names", None) and id(o) not in before]
+    return [g for g in frozen.compiled_graphs(frozen_only=True) if id(g) not in before]
 
 
 def _frozen_ids() -> set[int]:

@@ -59,6 +59,14 @@ def _key(storage: torch.UntypedStorage) -> tuple | None:
             bytes(flat[n - n % 4:].tolist()))
 
 
+def compiled_graphs(frozen_only: bool = False) -> list:
+    """The live compiled graphs (inductor's ``CompiledFxGraph``), or only those that froze weights."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    graphs = [o for o in gc.get_objects() if issubclass(type(o), CompiledFxGraph)]  # type(): see _scan
+    return [g for g in graphs if getattr(g, "frozen_param_names", None)] if frozen_only else graphs
+
+
 def _scan() -> tuple[list, set[int]]:
     """The live compiled graphs, and the storages (data pointers) of every module's parameters and
     buffers, in one pass over the collector's objects."""
