@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from draftsmith.decoding.frozen import after_compiled_call
+from draftsmith.decoding.kernel_templates import cache_kernel_templates
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.kv import KVCache
 from draftsmith.models.lean import LeanDecoder, layer_windows, lean_unsupported
@@ -322,6 +323,7 @@ class CompiledFn:
             self.tiers = wrapped_tiers(self.tiers)
         self.tier = 0
         self.skip_guards = guard_skipping(self.cuda)
+        cache_kernel_templates()  # inductor's GEMM templates parsed once, not per GEMM rendered
         self._build()
 
     def _build(self) -> None:
