@@ -346,8 +346,10 @@ class CompiledFn:
             try:
                 if sig is not None and sig in self.trusted:
                     try:
+                        # no inductor options patched in: under this stance nothing compiles (a call
+                        # that would raises, below), and a compiled graph reads none when it runs
                         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                            return self._run(args)
+                            return self.fn(*args)
                     except RuntimeError as e:  # no graph's distinguishing guards passed: check them all
                         if "skip_guard_eval_unsafe" not in str(e):
                             raise
