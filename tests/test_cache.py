@@ -487,6 +487,30 @@ def test_a_trusted_signature_that_needs_another_graph_falls_back_to_full_guards(
     assert fn.distrusted == {("one",)} and not fn.trusted
 
 
+@pytest.mark.slow
+def test_a_trusted_call_runs_without_inductor_options_patched_in(monkeypatch):
+    """Inductor's options matter only while compiling: a call that may compile (a signature's first, or
+    any under DRAFTSMITH_COMPILE_GUARDS=full, the control) runs under them; a trusted one, under which
+    nothing can compile, skips the patch (~39 us a call, BENCHMARKS 15d) and still runs its own graph."""
+    from draftsmith.decoding import runner
+
+    patches = []  # CompiledFn._run: the call under inductor's options
+    real = runner.CompiledFn._run
+    monkeypatch.setattr(runner.CompiledFn, "_run", lambda self, args: patches.append(args) or real(self, args))
+    for mode, per_call in (("auto", [1, 0, 0, 1, 0]), ("full", [1, 1, 1, 1, 1])):
+        monkeypatch.setenv("DRAFTSMITH_COMPILE_GUARDS", mode)
+        fn = runner.CompiledFn(lambda x: x * 3, torch.device("cpu"))
+        assert fn.options.get("freezing")  # a CPU tier with options to patch in
+        seen = []
+        with torch.inference_mode():
+            for n in (3, 3, 3, 5, 5):
+                x = torch.arange(float(n))
+                before = len(patches)
+                assert torch.equal(fn(x), x * 3)
+                seen.append(min(len(patches) - before, 1))
+        assert seen == per_call, (mode, seen)
+
+
 class _Slowed:
     """A compiled step made slower by ``seconds`` per call (a candidate the choice must not pick)."""
 
