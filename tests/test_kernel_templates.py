@@ -41,6 +41,7 @@ def test_templates_are_parsed_once_per_source_and_render_alike(monkeypatch):
         fn = KernelTemplate.__dict__["_template_from_string"].__func__
         assert fn.__wrapped__ is kt._slot("templates")[1] and not getattr(fn.__wrapped__, "draftsmith_memo", False)
     finally:
+        monkeypatch.undo()
         kt.cache_kernel_templates()  # as the environment the suite runs in says
 
 
@@ -66,16 +67,17 @@ def test_index_expressions_are_parsed_once_per_text(monkeypatch):
         monkeypatch.setenv("DRAFTSMITH_TEMPLATE_CACHE", "0")
         kt.cache_kernel_templates()
         parse = cpp_template_kernel.parse_expr_with_index_symbols
-        assert parse is kt._slot("index_exprs")[1] and parse("m_end - m_start") == a  # sympy's own cache may
-        assert kt.template_cache_info() is None  # return the same object: the function in place tells
+        # (sympy caches expressions too, so the same object may come back: what is in place tells)
+        assert parse is kt._slot("index_exprs")[1] and parse("m_end - m_start") == a
+        assert kt.template_cache_info() is None
     finally:
         monkeypatch.undo()
         kt.cache_kernel_templates()
 
 
 def _compiled_code(monkeypatch, setting: str) -> tuple[torch.Tensor, list[str]]:
-    """A Linear compiled as a CPU step is (frozen weights through the C++ GEMM template), with the cache
-    ``setting``: its output and inductor's generated code."""
+    """A Linear + GELU compiled as a CPU step compiles (frozen weights through the C++ GEMM template), with
+    the memos ``setting``: its output's difference from eager and inductor's generated code."""
     from torch._inductor.utils import run_and_get_code
 
     monkeypatch.setenv("DRAFTSMITH_TEMPLATE_CACHE", setting)
