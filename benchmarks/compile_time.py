@@ -24,6 +24,7 @@ arms' tokens must be identical.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -34,6 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lean_engine import add_random_draft_args, random_draft_proposer  # noqa: E402
+
 ARMS = {"A": "1", "B": "0"}  # arm -> DRAFTSMITH_TEMPLATE_CACHE
 
 
@@ -41,18 +45,14 @@ def child(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from lean_engine import eagle3_draft
 
     from draftsmith.data.sources import eval_set
     from draftsmith.decoding.engine import generate
     from draftsmith.decoding.kernel_templates import template_cache_info
-    from draftsmith.decoding.proposers import Eagle3Proposer
-    from draftsmith.models.quantize import quantize_draft
     from draftsmith.models.verifier import load_verifier
 
     model, tok, _ = load_verifier(args.verifier, dtype="float32", device="cpu")
-    proposer = Eagle3Proposer(quantize_draft(eagle3_draft(model, args.draft_vocab), args.draft_precision))
+    proposer = random_draft_proposer(model, args.draft_vocab, args.draft_precision)
     prompt = eval_set("mt-bench", tok, limit=1)[0][1]
     stages, tokens = {}, {}
     with torch.inference_mode():
@@ -69,11 +69,7 @@ def child(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--verifier", default="smollm2-135m")
-    ap.add_argument("--draft-vocab", type=int, default=8192)
-    ap.add_argument("--draft-precision", default="int8", choices=["as-loaded", "int8"])
-    ap.add_argument("--num-draft-tokens", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=16)
+    add_random_draft_args(ap, max_new_tokens=16)
     ap.add_argument("--stages", type=int, default=2, choices=[1, 2], help="1: only the eagle3 stage")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--order", default="ABBA", help="runs in this order; A: texts parsed once "
@@ -91,8 +87,8 @@ def main() -> None:
                  "load_avg": os.getloadavg(), "args": {a: str(v) for a, v in vars(args).items()}, "runs": []}
     for i, arm in enumerate(args.order):
         env = dict(os.environ, DRAFTSMITH_TEMPLATE_CACHE=ARMS[arm])
-        with tempfile.TemporaryDirectory(prefix="inductor-cold-") as cache_dir:
-            if args.cold:
+        with tempfile.TemporaryDirectory(prefix="inductor-cold-") if args.cold else contextlib.nullcontext() as cache_dir:
+            if cache_dir is not None:
                 env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
             cmd = [sys.executable, __file__, "--child", f"{i}{arm}", "--verifier", args.verifier, "--draft-vocab",
                    str(args.draft_vocab), "--draft-precision", args.draft_precision, "--num-draft-tokens",

@@ -33,6 +33,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lean_engine import add_random_draft_args, random_draft_proposer  # noqa: E402
+
 
 def _status() -> dict[str, int]:
     out = {}
@@ -62,13 +65,9 @@ def child(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from lean_engine import eagle3_draft
 
     from draftsmith.data.sources import eval_set
     from draftsmith.decoding.engine import generate
-    from draftsmith.decoding.proposers import Eagle3Proposer
-    from draftsmith.models.quantize import quantize_draft
     from draftsmith.models.verifier import load_verifier
 
     stages: dict = {}
@@ -86,7 +85,7 @@ def child(args) -> None:
         print(f"[{args.child}] {name}: {stages[name]}", file=sys.stderr, flush=True)
 
     model, tok, _ = load_verifier(args.verifier, dtype="float32", device="cpu")
-    proposer = Eagle3Proposer(quantize_draft(eagle3_draft(model, args.draft_vocab), args.draft_precision))
+    proposer = random_draft_proposer(model, args.draft_vocab, args.draft_precision)
     prompt = eval_set("mt-bench", tok, limit=1)[0][1]
     mark("load")
     tokens = {}
@@ -146,11 +145,7 @@ def timing(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--verifier", default="smollm2-135m")
-    ap.add_argument("--draft-vocab", type=int, default=8192)
-    ap.add_argument("--draft-precision", default="int8", choices=["as-loaded", "int8"])
-    ap.add_argument("--num-draft-tokens", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    add_random_draft_args(ap, max_new_tokens=32)
     ap.add_argument("--long-prompt", type=int, default=600, help="tokens of the stage-4 prompt (past 512 - new "
                     "tokens: the next cache size)")
     ap.add_argument("--threads", type=int, default=2)

@@ -106,6 +106,23 @@ def eagle3_draft(model, vocab: int):
     return draft
 
 
+def random_draft_proposer(model, vocab: int, precision: str):
+    """An EAGLE-3 proposer over :func:`eagle3_draft` at ``precision`` (``as-loaded`` or ``int8``)."""
+    from draftsmith.decoding.proposers import Eagle3Proposer
+    from draftsmith.models.quantize import quantize_draft
+
+    return Eagle3Proposer(quantize_draft(eagle3_draft(model, vocab), precision))
+
+
+def add_random_draft_args(ap, max_new_tokens: int) -> None:
+    """The arguments of a probe that runs the verifier with a random draft (:func:`random_draft_proposer`)."""
+    ap.add_argument("--verifier", default="smollm2-135m")
+    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--draft-precision", default="int8", choices=["as-loaded", "int8"])
+    ap.add_argument("--num-draft-tokens", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+
+
 # ----------------------------------------------------------------------------------------- 1. plain loop
 def section_plain(args, model, tok, out: dict) -> None:
     from draftsmith import generate
