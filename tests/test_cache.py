@@ -511,6 +511,45 @@ def test_a_trusted_call_runs_without_inductor_options_patched_in(monkeypatch):
         assert seen == per_call, (mode, seen)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("share", ["1", "0"])
+def test_steps_without_aux_run_the_shared_aux_graphs(monkeypatch, share):
+    """Under shared_aux_outputs (a compiled bench of EAGLE-3 drafts), a plain decode and a step table's
+    runner compile nothing of their own: they run the graphs that return the drafts' aux hidden states
+    and drop them, with the plain decode's tokens unchanged. DRAFTSMITH_SHARE_AUX=0 (the negative
+    control) compiles the graphs without aux outputs, as before."""
+    from draftsmith.decoding import runner as runner_mod
+
+    monkeypatch.setenv("DRAFTSMITH_SHARE_AUX", share)
+    model = tiny_model("llama", layers=3)
+    aux = (0, 2)
+    prompt = _ids(10, 5).tolist()
+    eager = generate(model, prompt, max_new_tokens=12, eos_token_id=[])
+    runner_mod._COMPILED.pop(model, None)  # a step of its own (a tiny model may be shared with other tests)
+    try:
+        with runner_mod.shared_aux_outputs(model, aux), torch.inference_mode():
+            drafts = verifier_runner(model, 64, compile=True, aux_layer_ids=aux, warmup_shapes=(1, 3))
+            assert drafts.compile_seconds > 0
+            step = runner_mod._COMPILED[model]
+            assert {key[2] for key in step.warm} == {aux}
+            plain = generate(model, prompt, max_new_tokens=12, eos_token_id=[], compile=True)
+            table = verifier_runner(model, 64, compile=True, warmup_shapes=(1, 3))
+            logits, hidden = table.forward(torch.tensor(prompt), 1)
+            logits, hidden = table.forward(_ids(3, 6), 3)
+        assert plain.token_ids == eager.token_ids
+        assert hidden is None and logits.shape[0] == 3  # the shared graph's aux states are not handed out
+        if share == "1":
+            assert plain.stats["compile_seconds"] == 0 and table.compile_seconds == 0
+            assert {key[2] for key in step.warm} == {aux}
+            assert table.verify_tiers == drafts.verify_tiers
+        else:
+            assert plain.stats["compile_seconds"] > 0 and table.compile_seconds > 0
+            assert {key[2] for key in step.warm} == {aux, ()}
+        assert model not in runner_mod._SHARED_AUX  # the block is left as it was found
+    finally:
+        runner_mod._COMPILED.pop(model, None)
+
+
 class _Slowed:
     """A compiled step made slower by ``seconds`` per call (a candidate the choice must not pick)."""
 

@@ -17,6 +17,7 @@ from draftsmith.bench.measure import (LAYOUT_TIE, BenchState, Row, apply_draft_c
 from draftsmith.bench.report import build_report, render_markdown, write_report
 from draftsmith.config import opt
 from draftsmith.decoding.proposers import Eagle3Proposer, Proposer
+from draftsmith.decoding.runner import shared_aux_outputs
 from draftsmith.drafters import DRAFTER_HELP
 from draftsmith.engines import ENGINES, OURS
 from draftsmith.errors import DraftsmithError
@@ -188,6 +189,8 @@ def benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], prop
         The report as written to ``report.json``.
     """
     with contextlib.ExitStack() as servers:  # every engine server is stopped on the way out, whatever happens
+        if cfg.compile:  # the plain rows and the step table run the drafts' compiled graphs (one compile, not two)
+            servers.enter_context(shared_aux_outputs(model, drafts_aux(proposers)))
         return _benchmark(model, prompts, proposers, cfg, out_dir, provenance, draft_dirs or {}, servers, pilot or [])
 
 
@@ -243,6 +246,13 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
     # every row decodes inside the block (the quantized rows hold their own copies, made above)
     with weight_layouts([model, *drafts], layout):
         return _measure(state, model, proposers, cfg, out_dir, provenance, confidence)
+
+
+def drafts_aux(proposers: dict[str, Proposer]) -> tuple[int, ...]:
+    """The aux layers the proposers that read the verifier's hidden states read most often (ties:
+    the first seen); ``()`` when none does."""
+    wanted = [tuple(p.aux_layer_ids) for p in proposers.values() if p.requires_hidden_states]
+    return max(wanted, key=wanted.count) if wanted else ()
 
 
 def with_draft_confidences(proposers: dict[str, Proposer],

@@ -19,6 +19,7 @@ the first ``n`` on :meth:`VerifierRunner.rollback`; that is all the engine sees.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -445,6 +446,44 @@ def projections_held(model: torch.nn.Module) -> tuple:
 # Compiled caches come in sizes of this many positions, so prompts of similar length share graphs.
 CAPACITY_BUCKET = 512
 
+#: Per model: the aux hidden states its compiled steps compute when a call asks for none
+#: (:func:`shared_aux_outputs`).
+_SHARED_AUX: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, ...]]" = weakref.WeakKeyDictionary()
+
+
+def share_aux() -> bool:
+    """Whether :func:`shared_aux_outputs` applies (``DRAFTSMITH_SHARE_AUX``, default on; ``0`` gives
+    the steps that ask for no aux hidden states graphs of their own, as before it)."""
+    return os.environ.get("DRAFTSMITH_SHARE_AUX", "1") != "0"
+
+
+@contextlib.contextmanager
+def shared_aux_outputs(model: torch.nn.Module, aux_layer_ids: tuple[int, ...]):
+    """Within the block, ``model``'s compiled steps that ask for no aux hidden states (a plain
+    decode, an n-gram drafter's verify, a step timed alone) run the graphs that return
+    ``aux_layer_ids``'s, and drop them.
+
+    A bench of EAGLE-3 drafts otherwise compiles every verifier step twice, with and without aux
+    outputs: each graph is a full compile of the model (~25 s warm for SmolLM2-135M's one-token
+    step on an AMD EPYC, BENCHMARKS 15e). The shared graph writes three more ``[m, H]`` rows per step;
+    what that costs a plain step is measured there too. Runners made before the block keep their
+    graphs; eager steps are untouched. No-op for an empty ``aux_layer_ids`` or under
+    ``DRAFTSMITH_SHARE_AUX=0``.
+    """
+    aux = tuple(aux_layer_ids)
+    if not aux or not share_aux():
+        yield
+        return
+    before = _SHARED_AUX.get(model)
+    _SHARED_AUX[model] = aux
+    try:
+        yield
+    finally:
+        if before is None:
+            _SHARED_AUX.pop(model, None)
+        else:
+            _SHARED_AUX[model] = before
+
 
 class LeanRunner(VerifierRunner):
     """:class:`LeanDecoder` over a :class:`KVCache`; compiled decode/verify steps when ``compile``."""
@@ -471,8 +510,10 @@ class LeanRunner(VerifierRunner):
             step = _COMPILED[model] = _CompiledStep(LeanDecoder(model, by_module=True))
             step.held = held
         self.step, self.decoder = step, step.decoder
+        # the aux outputs its compiled steps return: its own, else those the model's steps share
+        self.graph_aux = self.aux or _SHARED_AUX.get(model, ())
         self.cache = step.cache(role, capacity)
-        self._warm_seconds = step.warmup(self.cache, self.aux, warmup_shapes)
+        self._warm_seconds = step.warmup(self.cache, self.graph_aux, warmup_shapes)
         self._chosen_before = step.choice_seconds  # choices made later (a verify length first seen) add to it
 
     @property
@@ -487,7 +528,7 @@ class LeanRunner(VerifierRunner):
         """Compiled: which candidate verifies each length so far, with their timings (ms), by length."""
         if not self.compiled:
             return {}
-        return {str(m): dict(c) for (m, aux), c in sorted(self.step.verify_choice.items()) if aux == self.aux}
+        return {str(m): dict(c) for (m, aux), c in sorted(self.step.verify_choice.items()) if aux == self.graph_aux}
 
     @property
     def length(self) -> int:  # type: ignore[override]
@@ -501,7 +542,9 @@ class LeanRunner(VerifierRunner):
         aux = tuple(aux_layer_ids)
         # The prompt runs eager: one graph per prompt length would not pay for its compile time.
         if self.compiled and start > 0 and keep == m:
-            logits, hidden = self.step(ids, pos, self.cache, aux)
+            logits, hidden = self.step(ids, pos, self.cache, aux or self.graph_aux)
+            if not aux:
+                hidden = None  # computed by a shared graph (shared_aux_outputs), not asked for
         else:
             logits, hidden = self.decoder.forward(ids, pos, self.cache, keep, aux)
         self.cache.advance(m)
