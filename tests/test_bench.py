@@ -883,3 +883,39 @@ def test_predict_prices_the_draft_steps_a_stopped_call_ran():
     # negative control: always full drafts pay k steps, as draft(k) says
     full = predict(DrafterProfile(3, [0.5, 0.3, 0.2], [0, 0, 0, 100]), costs, 3)
     assert full.seconds_per_round == pytest.approx(1.4 + costs.draft(3))
+
+
+class _Reads(Proposer):
+    """A proposer that reads the verifier's hidden states at ``aux`` (only its declaration matters here)."""
+
+    requires_hidden_states = True
+
+    def __init__(self, aux):
+        self.aux_layer_ids = tuple(aux)
+
+    def propose(self, context, k):
+        raise AssertionError("not run")
+
+
+def test_drafts_aux_picks_the_layers_most_drafts_read():
+    from draftsmith.bench.run import drafts_aux
+
+    ngram = NgramProposer()
+    assert drafts_aux({"ngram": ngram}) == ()
+    assert drafts_aux({"a": _Reads((1, 2)), "ngram": ngram, "b": _Reads((0, 3)), "c": _Reads((0, 3))}) == (0, 3)
+    assert drafts_aux({"a": _Reads((1, 2)), "b": _Reads((0, 3))}) == (1, 2)  # a tie: the first seen
+
+
+@pytest.mark.parametrize("compile", [True, False])
+def test_a_compiled_bench_runs_its_plain_steps_on_the_drafts_aux_graphs(tiny, tmp_path, monkeypatch, compile):
+    """benchmark() puts the verifier under shared_aux_outputs with its drafts' aux layers while it
+    measures, under --compile only (False: the control), and takes it off after."""
+    from draftsmith.bench import run
+    from draftsmith.decoding import runner
+
+    seen = []
+    monkeypatch.setattr(run, "_benchmark", lambda model, *a: seen.append(runner._SHARED_AUX.get(model)) or {})
+    benchmark(tiny, _prompts(2), {"ngram": NgramProposer(), "d": _Reads((0, 1))}, _cfg(tmp_path, compile=compile),
+              tmp_path)
+    assert seen == [(0, 1) if compile else None]
+    assert tiny not in runner._SHARED_AUX
