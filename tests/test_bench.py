@@ -818,6 +818,8 @@ def test_compiled_bench_rows_equal_plain_decoding_and_report_compile_time(tiny, 
     # and reused by every row after (a row compiles only a shape it is the first to meet)
     assert report["costs"]["compile_seconds"] > 0
     assert report["provenance"]["compile"] is True
+    # the plain row and the step table ran the draft's aux-output graphs (runner.shared_aux_outputs)
+    assert report["provenance"]["compile_shared_aux"] == [0, 1, 2]
     assert "compiled steps" in (tmp_path / "report.md").read_text()
 
 
@@ -913,9 +915,9 @@ def test_a_compiled_bench_runs_its_plain_steps_on_the_drafts_aux_graphs(tiny, tm
     from draftsmith.bench import run
     from draftsmith.decoding import runner
 
-    seen = []
-    monkeypatch.setattr(run, "_benchmark", lambda model, *a: seen.append(runner._SHARED_AUX.get(model)) or {})
+    seen = []  # what the report's provenance records as compile_shared_aux
+    monkeypatch.setattr(run, "_benchmark", lambda model, *a: seen.append(runner.shared_aux_layers(model)) or {})
     benchmark(tiny, _prompts(2), {"ngram": NgramProposer(), "d": _Reads((0, 1))}, _cfg(tmp_path, compile=compile),
               tmp_path)
-    assert seen == [(0, 1) if compile else None]
+    assert seen == [(0, 1) if compile else ()]
     assert tiny not in runner._SHARED_AUX

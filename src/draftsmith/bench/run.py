@@ -17,7 +17,7 @@ from draftsmith.bench.measure import (LAYOUT_TIE, BenchState, Row, apply_draft_c
 from draftsmith.bench.report import build_report, render_markdown, write_report
 from draftsmith.config import opt
 from draftsmith.decoding.proposers import Eagle3Proposer, Proposer
-from draftsmith.decoding.runner import shared_aux_outputs
+from draftsmith.decoding.runner import shared_aux_layers, shared_aux_outputs
 from draftsmith.drafters import DRAFTER_HELP
 from draftsmith.engines import ENGINES, OURS
 from draftsmith.errors import DraftsmithError
@@ -242,7 +242,9 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
     param = next(model.parameters())
     provenance = {**(provenance or {}), "dtype": str(param.dtype).removeprefix("torch."), "device": str(param.device),
                   "weight_layout": layout, "weight_layout_asked": cfg.weight_layout,
-                  "draft_precision": cfg.draft_precision, "compile": cfg.compile}
+                  "draft_precision": cfg.draft_precision, "compile": cfg.compile,
+                  # compiled: the aux layers whose graphs the plain rows and the step table ran (dropping them)
+                  "compile_shared_aux": list(shared_aux_layers(model))}
     # every row decodes inside the block (the quantized rows hold their own copies, made above)
     with weight_layouts([model, *drafts], layout):
         return _measure(state, model, proposers, cfg, out_dir, provenance, confidence)

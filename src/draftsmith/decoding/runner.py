@@ -457,6 +457,11 @@ def share_aux() -> bool:
     return os.environ.get("DRAFTSMITH_SHARE_AUX", "1") != "0"
 
 
+def shared_aux_layers(model: torch.nn.Module) -> tuple[int, ...]:
+    """The aux layers whose graphs ``model``'s compiled steps without aux outputs run now (``()``: their own)."""
+    return _SHARED_AUX.get(model, ())
+
+
 @contextlib.contextmanager
 def shared_aux_outputs(model: torch.nn.Module, aux_layer_ids: tuple[int, ...]):
     """Within the block, ``model``'s compiled steps that ask for no aux hidden states (a plain
@@ -511,7 +516,7 @@ class LeanRunner(VerifierRunner):
             step.held = held
         self.step, self.decoder = step, step.decoder
         # the aux outputs its compiled steps return: its own, else those the model's steps share
-        self.graph_aux = self.aux or _SHARED_AUX.get(model, ())
+        self.graph_aux = self.aux or shared_aux_layers(model)
         self.cache = step.cache(role, capacity)
         self._warm_seconds = step.warmup(self.cache, self.graph_aux, warmup_shapes)
         self._chosen_before = step.choice_seconds  # choices made later (a verify length first seen) add to it
