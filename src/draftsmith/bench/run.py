@@ -188,9 +188,9 @@ def benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], prop
     Returns:
         The report as written to ``report.json``.
     """
-    with contextlib.ExitStack() as servers:  # every engine server is stopped on the way out, whatever happens
-        if cfg.compile:  # the plain rows and the step table run the drafts' compiled graphs (one compile, not two)
-            servers.enter_context(shared_aux_outputs(model, drafts_aux(proposers)))
+    # compiled: the plain rows and the step table run the drafts' compiled graphs (one compile, not two)
+    shared = shared_aux_outputs(model, drafts_aux(proposers)) if cfg.compile else contextlib.nullcontext()
+    with shared, contextlib.ExitStack() as servers:  # every engine server is stopped on the way out, whatever happens
         return _benchmark(model, prompts, proposers, cfg, out_dir, provenance, draft_dirs or {}, servers, pilot or [])
 
 
