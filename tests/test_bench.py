@@ -350,7 +350,10 @@ def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
     kk = wrong["measured_k"] + 1
     m.update(calibration_prices={"t1": 0.020, "t_verify": 0.026, "propose": 0.001},
              rows_prices={"t1": 0.020, "t_verify": 0.024, "propose": 0.001})
-    assert f"(T_verify({kk}) / T(1): 1.30 in the calibration, 1.20 in the rows): the machine's" in wrong_line()
+    assert (f"(T(1) 20.0 ms in the calibration, 20.0 ms in the rows; T_verify({kk}) / T(1): 1.30 in the "
+            "calibration, 1.20 in the rows): the machine's") in wrong_line()
+    m.update(rows_prices={"t1": 0.027, "t_verify": 0.027, "propose": 0.001})  # the host slowed: T(1) names it
+    assert "(T(1) 20.0 ms in the calibration, 27.0 ms in the rows; " in wrong_line()
     m.update(predicted=0.98)
     assert "(1.00x with the step prices" in wrong_line() and "the machine's speed changed" not in wrong_line()
     assert "MISMATCH: ngram k=2 leaves plain decoding on 1 prompt(s)" in md and "a bug" in md

@@ -572,7 +572,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                 + f"; best predicted k = {be['best_k']} ({be['best_k_predicted_speedup']:.2f}x). ")
         if by_rows and abs(pred / by_rows - 1) > DRIFT_NOTE:
             c, r = be["measured"][str(k)].get("calibration_prices"), be["measured"][str(k)].get("rows_prices")
-            ratio = (f" (T_verify({k + 1}) / T(1): {c['t_verify'] / c['t1']:.2f} in the calibration, "
+            ratio = (f" (T(1) {1e3 * c['t1']:.1f} ms in the calibration, {1e3 * r['t1']:.1f} ms in the rows; "
+                     f"T_verify({k + 1}) / T(1): {c['t_verify'] / c['t1']:.2f} in the calibration, "
                      f"{r['t_verify'] / r['t1']:.2f} in the rows)") if c and r else ""
             line += (f"The calibration's step prices and the timed rows' differ by {100 * abs(pred / by_rows - 1):.0f}%"
                      f"{ratio}: the machine's speed changed between them, so the prediction before timing (and a k "
