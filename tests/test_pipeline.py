@@ -421,6 +421,25 @@ def test_budgeted_run_calibrates_plans_tops_up_and_reruns_from_the_cache(setup, 
     assert earlier > 0 and len(seen) == 1 and seen[0] >= earlier
 
 
+def test_a_failed_gate_names_the_draft_it_did_not_publish(tmp_path, capsys):
+    """A FAIL leaves OUT/draft alone; the last lines say where the judged draft is, so it can be measured
+    otherwise (compiled steps, a serving engine). A PASS, the control, does not print that line."""
+    from draftsmith.errors import GateFailed
+    from draftsmith.pipeline.runner import _finish
+
+    failed = {"passed": False, "speedup": 1.01, "k": 1, "acceptance_length": 1.47, "reasons": ["below 1.20x"]}
+    with pytest.raises(GateFailed, match="below 1.20x"):
+        _finish({"gate": failed, "bench": {"report": "r"}, "candidate_draft": "runs/x/steps/export-1/draft",
+                 "deployed_draft": None}, tmp_path)
+    out = capsys.readouterr().out
+    assert "the draft the gate judged (not published): runs/x/steps/export-1/draft" in out
+    assert "draftsmith bench --draft runs/x/steps/export-1/draft --compile" in out
+    passed = {**failed, "passed": True, "speedup": 1.3, "reasons": []}
+    assert _finish({"gate": passed, "bench": {"report": "r"}, "candidate_draft": "runs/x/steps/export-1/draft",
+                    "deployed_draft": "runs/x/draft"}, tmp_path) == 0
+    assert "not published" not in capsys.readouterr().out
+
+
 def test_refresh_line_says_when_a_draft_stopped_early(tmp_path, capsys):
     """With --draft-confidence a row's acceptance is over the rounds that drafted: the refresh line says
     how many did, and says nothing of it when every round drafted (the negative control)."""

@@ -211,6 +211,9 @@ def _finish(report: dict[str, Any], out: Path) -> int:
               + (f"; training stopped at step {cut['step']} of {cut['planned_steps']} ({cut['reason']})" if cut else ""))
         print(plan["bigger_budget"])
     if not report["gate"]["passed"]:
+        if report.get("candidate_draft"):  # not published to OUT/draft; still worth measuring elsewhere
+            print(f"the draft the gate judged (not published): {report['candidate_draft']}; measure it with other "
+                  f"settings, e.g. compiled steps: draftsmith bench --draft {report['candidate_draft']} --compile")
         raise GateFailed("; ".join(report["gate"]["reasons"]))
     return 0
 
