@@ -427,15 +427,24 @@ def test_a_failed_gate_names_the_draft_it_did_not_publish(tmp_path, capsys):
     from draftsmith.errors import GateFailed
     from draftsmith.pipeline.runner import _finish
 
+    from draftsmith.cli import build_parser
+    from draftsmith.config import from_args
+
+    draft = tmp_path / "steps" / "export-1" / "draft"
+    draft.mkdir(parents=True)
     failed = {"passed": False, "speedup": 1.01, "k": 1, "acceptance_length": 1.47, "reasons": ["below 1.20x"]}
     with pytest.raises(GateFailed, match="below 1.20x"):
-        _finish({"gate": failed, "bench": {"report": "r"}, "candidate_draft": "runs/x/steps/export-1/draft",
-                 "deployed_draft": None}, tmp_path)
+        _finish({"gate": failed, "bench": {"report": "r"}, "candidate_draft": str(draft),
+                 "deployed_draft": None, "config": {"verifier": "smollm2-135m"}}, tmp_path)
     out = capsys.readouterr().out
-    assert "the draft the gate judged (not published): runs/x/steps/export-1/draft" in out
-    assert "draftsmith bench --draft runs/x/steps/export-1/draft --compile" in out
+    assert f"the draft the gate judged (not published): {draft}" in out
+    command = f"draftsmith bench --verifier smollm2-135m --draft {draft} --compile --out {tmp_path / 'bench-compiled'}"
+    assert command in out
+    # the command it prints is a valid bench configuration (its required options given)
+    ns = build_parser().parse_args(command.split()[1:])
+    assert from_args(ns._command.config, ns, None).draft == [str(draft)]
     passed = {**failed, "passed": True, "speedup": 1.3, "reasons": []}
-    assert _finish({"gate": passed, "bench": {"report": "r"}, "candidate_draft": "runs/x/steps/export-1/draft",
+    assert _finish({"gate": passed, "bench": {"report": "r"}, "candidate_draft": str(draft),
                     "deployed_draft": "runs/x/draft"}, tmp_path) == 0
     assert "not published" not in capsys.readouterr().out
 

@@ -212,8 +212,10 @@ def _finish(report: dict[str, Any], out: Path) -> int:
         print(plan["bigger_budget"])
     if not report["gate"]["passed"]:
         if report.get("candidate_draft"):  # not published to OUT/draft; still worth measuring elsewhere
+            verifier = (report.get("config") or {}).get("verifier") or "VERIFIER"
             print(f"the draft the gate judged (not published): {report['candidate_draft']}; measure it with other "
-                  f"settings, e.g. compiled steps: draftsmith bench --draft {report['candidate_draft']} --compile")
+                  f"settings, e.g. compiled steps: draftsmith bench --verifier {verifier} --draft "
+                  f"{report['candidate_draft']} --compile --out {Path(out) / 'bench-compiled'}")
         raise GateFailed("; ".join(report["gate"]["reasons"]))
     return 0
 
