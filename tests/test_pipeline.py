@@ -424,11 +424,10 @@ def test_budgeted_run_calibrates_plans_tops_up_and_reruns_from_the_cache(setup, 
 def test_a_failed_gate_names_the_draft_it_did_not_publish(tmp_path, capsys):
     """A FAIL leaves OUT/draft alone; the last lines say where the judged draft is, so it can be measured
     otherwise (compiled steps, a serving engine). A PASS, the control, does not print that line."""
-    from draftsmith.errors import GateFailed
-    from draftsmith.pipeline.runner import _finish
-
     from draftsmith.cli import build_parser
     from draftsmith.config import from_args
+    from draftsmith.errors import GateFailed
+    from draftsmith.pipeline.runner import _finish
 
     draft = tmp_path / "steps" / "export-1" / "draft"
     draft.mkdir(parents=True)

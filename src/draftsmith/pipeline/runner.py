@@ -211,11 +211,12 @@ def _finish(report: dict[str, Any], out: Path) -> int:
               + (f"; training stopped at step {cut['step']} of {cut['planned_steps']} ({cut['reason']})" if cut else ""))
         print(plan["bigger_budget"])
     if not report["gate"]["passed"]:
-        if report.get("candidate_draft"):  # not published to OUT/draft; still worth measuring elsewhere
+        draft = report.get("candidate_draft")
+        if draft:  # not published to OUT/draft; still worth measuring elsewhere
             verifier = (report.get("config") or {}).get("verifier") or "VERIFIER"
-            print(f"the draft the gate judged (not published): {report['candidate_draft']}; measure it with other "
-                  f"settings, e.g. compiled steps: draftsmith bench --verifier {verifier} --draft "
-                  f"{report['candidate_draft']} --compile --out {Path(out) / 'bench-compiled'}")
+            print(f"the draft the gate judged (not published): {draft}; measure it with other settings, e.g. "
+                  f"compiled steps: draftsmith bench --verifier {verifier} --draft {draft} --compile "
+                  f"--out {Path(out) / 'bench-compiled'}")
         raise GateFailed("; ".join(report["gate"]["reasons"]))
     return 0
 
