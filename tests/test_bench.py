@@ -203,6 +203,22 @@ def test_tiny_run_with_onednn_linears_is_lossless_and_puts_the_modules_back(tiny
     assert all(type(m) is torch.nn.Linear for m in tiny.modules() if isinstance(m, torch.nn.Linear))
 
 
+def test_tiny_run_with_cpp_linears_is_lossless_and_puts_the_modules_back(tiny, tmp_path):
+    """--weight-layout cpp: every row still reproduces plain decoding (both multiply through the
+    few-row kernel), the report says so, and the verifier's Linear modules are plain again after."""
+    from draftsmith.models import cpu_linear
+
+    if not cpu_linear.available():
+        pytest.skip("no C++ toolchain to build the kernel")
+    cfg = _cfg(tmp_path, num_draft_tokens=[2, 3], weight_layout="cpp")
+    report = benchmark(tiny, _prompts(2), {"ngram": NgramProposer(), "perfect": DraftModelProposer(tiny)}, cfg,
+                       tmp_path, {"verifier": "tiny", "dataset": "synthetic"})
+    assert report["provenance"]["weight_layout"] == "cpp"
+    for r in report["rows"]:
+        assert r["identical_output_rate"] == 1.0, r["name"]
+    assert all(type(m) is torch.nn.Linear for m in tiny.modules() if isinstance(m, torch.nn.Linear))
+
+
 def test_pick_layout_keeps_the_fastest_plain_step_and_breaks_ties_by_verify_cost():
     """--weight-layout auto: plain decoding (T(1)) is never made slower to flatter a draft; within the
     tie band the cheaper verify steps win; exact ties keep the loaded layout."""
@@ -225,9 +241,10 @@ def test_pick_layout_keeps_the_fastest_plain_step_and_breaks_ties_by_verify_cost
 def test_choose_weight_layout_times_each_candidate_inside_its_layout(tiny, monkeypatch):
     """The probe times the verifier inside each layout, alternating, and picks by those times; the
     modules are as loaded after. A fake step clock makes oneDNN cheaper, then dearer (the control)."""
-    from draftsmith.models.verifier import OneDNNLinear
+    from draftsmith.models import cpu_linear
+    from draftsmith.models.verifier import CppLinear, OneDNNLinear
 
-    assert measure.layout_candidates(tiny) == ["out-in", "onednn"]
+    assert measure.layout_candidates(tiny) == ["out-in", "onednn"] + (["cpp"] if cpu_linear.available() else [])
     meta = torch.nn.Sequential(torch.nn.Linear(4, 4, device="meta"))
     assert measure.layout_candidates(meta) == ["out-in"]
     assert measure.layout_candidates(tiny, compiled=True) == ["out-in"]  # frozen and packed as loaded
@@ -236,15 +253,17 @@ def test_choose_weight_layout_times_each_candidate_inside_its_layout(tiny, monke
         seen = []
 
         def fake(model, context, ns, repeats=9, warmup=2, **kw):
-            lay = "onednn" if any(type(m) is OneDNNLinear for m in model.modules()) else "out-in"
+            kinds = {type(m) for m in model.modules()}
+            lay = "onednn" if OneDNNLinear in kinds else "cpp" if CppLinear in kinds else "out-in"
             seen.append((lay, len(context), list(ns)))
-            scale = onednn_cost if lay == "onednn" else 1.0
+            scale = {"onednn": onednn_cost, "cpp": 1.5}.get(lay, 1.0)
             return {n: scale * (1.0 + 0.1 * n) for n in ns}
 
         monkeypatch.setattr(measure, "measure_verify_costs", fake)
         choice = measure.choose_weight_layout(tiny, [5, 6, 7, 8], [1, 3], max_new_tokens=10, passes=2)
         assert choice["layout"] == expected
-        assert [s[0] for s in seen] == ["out-in", "onednn", "onednn", "out-in"]  # alternating passes
+        lays = measure.layout_candidates(tiny)
+        assert [s[0] for s in seen] == lays + lays[1:] + lays[:1]  # alternating passes
         assert all(ns == [1, 2, 4] and n == 4 + 5 for _, n, ns in seen)  # k + 1 for k in ks; mid-reply context
         assert choice["t_seconds"]["onednn"][2] == pytest.approx(onednn_cost * 1.2)
         assert all(type(m) is torch.nn.Linear for m in tiny.modules() if isinstance(m, torch.nn.Linear))
@@ -258,9 +277,9 @@ def test_tiny_run_with_auto_layout_reports_its_choice_and_is_lossless(tiny, tmp_
     report = benchmark(tiny, _prompts(2), {"ngram": NgramProposer(), "perfect": DraftModelProposer(tiny)}, cfg,
                        tmp_path, {"verifier": "tiny", "dataset": "synthetic"})
     choice = report["weight_layout_choice"]
-    assert report["provenance"]["weight_layout"] == choice["layout"] in ("out-in", "onednn")
+    assert report["provenance"]["weight_layout"] == choice["layout"] in ("out-in", "onednn", "cpp")
     assert report["provenance"]["weight_layout_asked"] == "auto"
-    assert set(choice["t_seconds"]) == {"out-in", "onednn"}
+    assert set(choice["t_seconds"]) == set(measure.layout_candidates(tiny))
     assert all(set(t) == {"1", "3"} and min(t.values()) > 0 for t in choice["t_seconds"].values())
     t = {lay: {int(n): s for n, s in v.items()} for lay, v in choice["t_seconds"].items()}
     assert choice["layout"] == measure.pick_layout(t, [2])
@@ -498,10 +517,10 @@ def test_bench_cli_on_smollm2(tmp_path):
     assert rc == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["provenance"]["fingerprint"] and report["rows"][1]["identical_output_rate"] == 1.0
-    # the default, auto: both layouts timed on this CPU, the rows measured in the one picked
+    # the default, auto: every CPU layout timed, the rows measured in the one picked
     assert report["provenance"]["weight_layout_asked"] == "auto"
     assert report["provenance"]["weight_layout"] == report["weight_layout_choice"]["layout"]
-    assert set(report["weight_layout_choice"]["t_seconds"]) == {"out-in", "onednn"}
+    assert set(report["weight_layout_choice"]["t_seconds"]) == {"out-in", "onednn", "cpp"}
 
 
 def test_trimmed_mean_drops_a_preemption_but_keeps_the_skew():

@@ -364,7 +364,7 @@ def test_bench_rows_count_every_precision_quantization_and_reference():
 
 
 def test_layout_probe_is_priced_for_auto_only():
-    """--weight-layout auto's probe: 2 layouts x 2 passes, each a prefill of the cost context and
+    """--weight-layout auto's probe: 3 layouts (as loaded, oneDNN, the few-row kernel) x 2 passes, each a prefill of the cost context and
     6 steps of each n in {1, k + 1} (n tokens at 1 + 0.1 (n - 1) one-token steps); a fixed layout
     costs nothing (the negative control)."""
     from draftsmith.bench import BenchSettings
@@ -373,7 +373,7 @@ def test_layout_probe_is_priced_for_auto_only():
     assert auto.weight_layout == "auto"
     steps = 6 * (1.0 + 1.1 + 1.3)  # n = 1, 2, 4
     prefill = (FAST.prompt_tokens + 64) * FAST.capture_per_token
-    assert B.layout_probe_seconds(FAST, auto) == pytest.approx(4 * (prefill + steps * FAST.decode_per_token))
+    assert B.layout_probe_seconds(FAST, auto) == pytest.approx(6 * (prefill + steps * FAST.decode_per_token))
     assert B.layout_probe_seconds(FAST, BenchSettings(weight_layout="out-in")) == 0.0
     assert B.layout_probe_seconds(FAST, BenchSettings(compile=True)) == 0.0  # compiled: nothing to probe
 

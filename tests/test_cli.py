@@ -106,13 +106,14 @@ def test_generate_weight_layouts_keep_greedy_output_the_verifiers(capsys):
     the same layout; auto names the layout its probe picked."""
     base = ["generate", "--verifier", "smollm2-135m", "--prompt", "hello world", "--max-new-tokens", "12", "--json"]
     outs = {}
-    for layout in ("onednn", "auto"):
+    for layout in ("onednn", "cpp", "auto"):
         for extra in ([], ["--drafter", "ngram"]):
             assert main(base + ["--weight-layout", layout] + extra) == 0
             outs[layout, bool(extra)] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert outs[layout, True]["token_ids"] == outs[layout, False]["token_ids"], layout
     assert outs["onednn", False]["stats"]["weight_layout"] == "onednn"
-    assert outs["auto", False]["stats"]["weight_layout"] in ("out-in", "onednn")
+    assert outs["cpp", False]["stats"]["weight_layout"] == "cpp"
+    assert outs["auto", False]["stats"]["weight_layout"] in ("out-in", "onednn", "cpp")
     with pytest.raises(SystemExit):  # not a layout: argparse refuses it
         main(base + ["--weight-layout", "columns"])
 

@@ -57,11 +57,13 @@ class GenerateConfig:
              "below this (one number, or one per draft position, the last repeating; 0: always k tokens). "
              "Output is unchanged; what pays depends on the machine: `draftsmith bench` (its default "
              "--draft-confidence auto) reports the thresholds it derived from this machine's step prices")
-    weight_layout: Literal["out-in", "auto", "in-out", "onednn"] = opt(
+    weight_layout: Literal["out-in", "auto", "in-out", "onednn", "cpp"] = opt(
         "out-in", "how the verifier's and draft's Linear weights are held and multiplied: out-in (as loaded); "
                   "onednn (CPU: oneDNN's matmul on the same weights; on AMD EPYC a one-token step ~0.7x MKL's); "
-                  "in-out (transposed, held twice meanwhile); auto (time the verifier's steps as loaded and "
-                  "through oneDNN first, a few seconds, and take bench's --weight-layout auto choice). "
+                  "cpp (CPU, float32: draftsmith's few-row C++ kernel for decode and verify steps, built on "
+                  "first use; on AMD EPYC a one-token step ~0.75x oneDNN's); "
+                  "in-out (transposed, held twice meanwhile); auto (time the verifier's steps in each CPU "
+                  "kernel first, a few seconds, and take bench's --weight-layout auto choice). "
                   "Greedy output is the verifier's own in each; between layouts it can differ by rounding")
 
     def __post_init__(self) -> None:

@@ -481,16 +481,25 @@ LAYOUT_PASSES, LAYOUT_REPEATS = 2, 5
 
 
 def layout_candidates(model: torch.nn.Module, compiled: bool = False) -> list[str]:
-    """The layouts ``--weight-layout auto`` times for ``model``: as loaded and, on a CPU whose torch
-    has oneDNN, oneDNN's matmul on the same weights. ``in-out`` is left out: it holds the weights
-    twice. On any other device only the loaded layout applies, and so it does for compiled steps:
-    a compiled CPU step freezes the weights as loaded and packs them for its own GEMM kernel
-    (:data:`draftsmith.decoding.runner.CPU_COMPILE_TIERS`), which oneDNN's op would bypass."""
+    """The layouts ``--weight-layout auto`` times for ``model``: as loaded; on a CPU whose torch has
+    oneDNN, oneDNN's matmul on the same weights; on a CPU with float32 weights, draftsmith's
+    few-row kernel (``cpp``, built here on first use; left out, with a warning, where it cannot be).
+    ``in-out`` is left out: it holds the weights twice. On any other device only the loaded layout
+    applies, and so it does for compiled steps: a compiled CPU step freezes the weights as loaded
+    and packs them for its own GEMM kernel (:data:`draftsmith.decoding.runner.CPU_COMPILE_TIERS`),
+    which the other kernels would bypass."""
     p = next(model.parameters())
-    if (not compiled and p.device.type == "cpu" and p.is_floating_point()
-            and torch.backends.mkldnn.is_available()):
-        return ["out-in", "onednn"]
-    return ["out-in"]
+    if compiled or p.device.type != "cpu" or not p.is_floating_point():
+        return ["out-in"]
+    out = ["out-in"]
+    if torch.backends.mkldnn.is_available():
+        out.append("onednn")
+    if p.dtype is torch.float32:
+        from draftsmith.models import cpu_linear
+
+        if cpu_linear.available():
+            out.append("cpp")
+    return out
 
 
 def pick_layout(t: Mapping[str, Mapping[int, float]], ks: Sequence[int], tie: float = LAYOUT_TIE) -> str:

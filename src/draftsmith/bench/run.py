@@ -61,17 +61,20 @@ class BenchSettings:
     engines: list[str] = opt(default_factory=lambda: [OURS],
                              help=f"where to measure the EAGLE-3 drafts, side by side: {', '.join(ENGINES)} "
                                   "(vllm and llama.cpp are started as real servers on 127.0.0.1; greedy only)")
-    weight_layout: Literal["auto", "out-in", "in-out", "onednn"] = opt(
+    weight_layout: Literal["auto", "out-in", "in-out", "onednn", "cpp"] = opt(
         "auto", "how the verifier's and drafts' Linear weights are held and multiplied while measuring: "
                 "auto (the default: before anything is timed, the verifier's one-token and verify steps are "
-                "timed as loaded and, on a CPU, through oneDNN; the layout whose one-token step (plain "
+                "timed as loaded and, on a CPU, through oneDNN and through draftsmith's few-row kernel; the layout whose one-token step (plain "
                 f"decoding, the baseline) is fastest, within {LAYOUT_TIE:.0%}, wins, and among those the one with "
                 "the cheapest verify steps; the report says which and why); out-in (as loaded); in-out "
                 "(transposed in memory: float32 CPU verify steps of 4+ tokens, k >= 3, avoid MKL's GEMM cliff, "
                 "~15% cheaper on Intel; 2 tokens ~4% dearer; the weights are held twice meanwhile); onednn "
                 "(CPU: oneDNN's matmul instead of MKL's float32 GEMM, on the same weights; on AMD EPYC a "
                 "one-token step ~0.9x, a verify step of 2-6 tokens 1.16-1.28x a one-token step instead of "
-                "1.4-2.2x). Results differ between layouts by rounding; every row of a run uses the same one")
+                "1.4-2.2x); cpp (CPU, float32: draftsmith's few-row C++ kernel for steps of up to 8 tokens, a "
+                "prefill on MKL's GEMM; built on first use, ~25 s once; on AMD EPYC a one-token step ~0.75x "
+                "oneDNN's, and a row's result does not depend on how many tokens the step has). Results differ "
+                "between layouts by rounding; every row of a run uses the same one")
     quantize: list[str] = opt(default_factory=list,
                               help="also measure the verifier quantized, plainly and with each drafter: "
                                    + "; ".join(f"{k} ({v[1]})" for k, v in QUANTIZATIONS.items())

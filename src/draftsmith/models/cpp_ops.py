@@ -1,8 +1,9 @@
-"""Build the C++ ops of the compiled CPU steps (``cpu_attention.cpp``, ``cpu_linear.cpp``) on first use.
+"""Build draftsmith's C++ CPU ops on first use: ``cpu_attention.cpp`` (the compiled steps' decode
+attention) and ``cpu_linear.cpp`` (the eager steps' few-row Linear, ``--weight-layout cpp``).
 
 Each source registers ``draftsmith::`` ops with ``torch.library`` (a fragment each), so a compiled
 graph calls them without Python in between. They are built with the C++ compiler ``--compile``
-needs anyway (``torch.utils.cpp_extension``, ~30-60 s once; cached by torch under
+needs anyway (``torch.utils.cpp_extension``, ~25-60 s once each; cached by torch under
 ``TORCH_EXTENSIONS_DIR``, the build named by a digest of the source and the flags).
 """
 

@@ -208,7 +208,7 @@ def context_length(model: torch.nn.Module) -> int | None:
 
 
 #: how a measurement holds and multiplies the verifier's Linear weights (``--weight-layout``)
-WEIGHT_LAYOUTS = ("out-in", "in-out", "onednn")
+WEIGHT_LAYOUTS = ("out-in", "in-out", "onednn", "cpp")
 
 
 def _plain_linear_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -317,6 +317,61 @@ def linears_onednn(model: torch.nn.Module, enabled: bool = True) -> Iterator[int
             mod.__class__ = torch.nn.Linear
 
 
+class CppLinear(torch.nn.Linear):
+    """An ``nn.Linear`` whose products of up to :data:`~draftsmith.models.cpu_linear.MAX_ROWS` float32
+    rows run through draftsmith's few-row kernel (:mod:`draftsmith.models.cpu_linear`); longer inputs
+    (a prefill), other dtypes and compiled graphs take ``F.linear`` on the same weight (MKL's GEMM)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from draftsmith.models.cpu_linear import MAX_ROWS
+
+        if 0 < x.numel() <= MAX_ROWS * self.in_features and x.dtype is torch.float32 \
+                and not torch.compiler.is_compiling():
+            return torch.ops.draftsmith.small_linear(x, self.weight, self.bias)
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+@contextlib.contextmanager
+def linears_cpp(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
+    """Multiply ``model``'s float32 Linear layers with draftsmith's few-row C++ kernel while the block
+    runs (decode and verify steps; a prefill stays on MKL's GEMM); put them back after.
+
+    On the AMD EPYC of BENCHMARKS.md (section 15g) a SmolLM2-135M eager one-token step costs 0.76x
+    its oneDNN cost with it (the Linear layers near a plain read of their weights), and a row's
+    result does not depend on how many rows the step has. The module class is swapped in place
+    (to :class:`CppLinear`), as :func:`linears_onednn` does; against MKL or oneDNN results differ
+    by rounding, so a report states the layout it measured with. CPU only.
+
+    Yields:
+        The number of Linear layers switched (0 when not ``enabled``, or no float32 Linear).
+
+    Raises:
+        DraftsmithError: the model is not on the CPU, or the kernel cannot be built here.
+    """
+    mods = []
+    if enabled:
+        for mod in model.modules():
+            if type(mod) is torch.nn.Linear and mod.weight.is_floating_point():
+                if mod.weight.device.type != "cpu":
+                    raise DraftsmithError(f"--weight-layout cpp is a CPU kernel; the model is on "
+                                          f"{mod.weight.device.type}")
+                if mod.weight.dtype is torch.float32:
+                    mods.append(mod)
+    if mods:
+        from draftsmith.models import cpu_linear
+
+        if not cpu_linear.available():
+            raise DraftsmithError("--weight-layout cpp: the C++ kernel could not be built here (a C++ compiler "
+                                  "and ninja are needed; the warning above says why); use out-in or onednn")
+    for mod in mods:
+        mod.__class__ = CppLinear
+    try:
+        yield len(mods)
+    finally:
+        for mod in mods:
+            mod.__class__ = torch.nn.Linear
+
+
 @contextlib.contextmanager
 def weight_layouts(models: list[torch.nn.Module], layout: str) -> Iterator[list[int]]:
     """Every one of ``models`` (a verifier and its drafts) held as ``layout`` (:func:`weight_layout`)
@@ -327,9 +382,11 @@ def weight_layouts(models: list[torch.nn.Module], layout: str) -> Iterator[list[
 
 def weight_layout(model: torch.nn.Module, layout: str) -> contextlib.AbstractContextManager[int]:
     """The block that holds ``model``'s Linear weights as ``layout`` (one of :data:`WEIGHT_LAYOUTS`):
-    as loaded, :func:`weights_in_out` or :func:`linears_onednn`."""
+    as loaded, :func:`weights_in_out`, :func:`linears_onednn` or :func:`linears_cpp`."""
     if layout not in WEIGHT_LAYOUTS:
         raise DraftsmithError(f"--weight-layout: expected one of {list(WEIGHT_LAYOUTS)}, got {layout!r}")
     if layout == "onednn":
         return linears_onednn(model)
+    if layout == "cpp":
+        return linears_cpp(model)
     return weights_in_out(model, layout == "in-out")

@@ -178,14 +178,14 @@ def pilot_seconds(rates: Rates, bench: Any, drafts: int) -> float:
 
 def layout_probe_seconds(rates: Rates, bench: Any) -> float:
     """``bench.weight_layout`` auto's probe (:func:`draftsmith.bench.measure.choose_weight_layout`):
-    per candidate layout (two on a CPU) and pass, the cost context's prefill and (warm-up + repeats)
+    per candidate layout (up to three on a CPU: as loaded, oneDNN, the few-row kernel) and pass, the cost context's prefill and (warm-up + repeats)
     verify steps of each n in {1, k + 1}, each priced at a one-token step plus 10% per extra token.
     0 for a fixed layout, and for compiled steps (only the loaded layout applies to them)."""
     if bench.weight_layout != "auto" or getattr(bench, "compile", False):
         return 0.0
     from draftsmith.bench.measure import LAYOUT_PASSES, LAYOUT_REPEATS
 
-    runs = 2 * LAYOUT_PASSES
+    runs = 3 * LAYOUT_PASSES
     ns = sorted({1, *(k + 1 for k in bench.num_draft_tokens)})
     steps = (1 + LAYOUT_REPEATS) * sum(1 + 0.1 * (n - 1) for n in ns)
     prefill = (rates.prompt_tokens + bench.max_new_tokens // 2) * rates.capture_per_token
@@ -406,6 +406,10 @@ def calibrate(vd: Any, v: Any, data: Any, train: Any, bench: Any, work: Path, pr
     from draftsmith.data.sources import load_prompts
 
     t_start = time.perf_counter()
+    if getattr(bench, "weight_layout", None) in ("auto", "cpp") and not getattr(bench, "compile", False):
+        from draftsmith.bench.measure import layout_candidates
+
+        layout_candidates(v.model)  # builds the few-row kernel here once (~25 s), inside the run's first seconds
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     model, tok = vd.model, vd.tokenizer

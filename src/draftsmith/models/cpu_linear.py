@@ -1,0 +1,58 @@
+"""Few-row float32 Linear on the CPU: a C++ kernel as a custom op (``--weight-layout cpp``).
+
+An eager decode step multiplies one row (a verify step k + 1 rows) by each weight, and costs
+what reading the weights costs. MKL's float32 GEMM and oneDNN's matmul are made for many
+rows: on the AMD EPYC of BENCHMARKS.md a SmolLM2-135M one-token step's Linear layers ran at
+~60% of a plain read of their weights through oneDNN (the faster of the two there), MKL's
+verify steps of 2-6 rows at 1.4-2.2x its one-row cost. :func:`small_linear` reads each weight
+once for up to :data:`MAX_ROWS` rows, in blocks of weight rows per thread (``cpu_linear.cpp``),
+and its rows are batch-invariant: a row of a verify step is bitwise the row a one-token step
+computes for the same input.
+
+The extension is built on first use (:func:`draftsmith.models.cpp_ops.build`, ~25 s once, cached
+by torch); where it cannot be built, :func:`available` is False (one warning) and the layout is
+not offered. Eager only: compiled steps multiply with inductor's own kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from draftsmith.models import cpp_ops
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_linear.cpp")
+#: Rows up to which :func:`small_linear` is the kernel (a verify step of up to 7 drafted tokens);
+#: longer inputs (a prefill) read the weights once per 8 rows there, so they take MKL's GEMM.
+MAX_ROWS = 8
+
+
+@functools.lru_cache(maxsize=None)
+def _op():
+    """``torch.ops.draftsmith.small_linear`` once built, or None (with one warning) where it cannot be."""
+    try:
+        cpp_ops.build(_SOURCE, "draftsmith_cpu_linear")
+        return torch.ops.draftsmith.small_linear
+    except Exception as e:  # no compiler, no ninja, a build error: the other layouts still work
+        log.warning("the CPU few-row linear kernel could not be built (%s); --weight-layout cpp is not available",
+                    str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
+        return None
+
+
+def available() -> bool:
+    """Whether the kernel is built (building it now if not yet)."""
+    return _op() is not None
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for float32 CPU tensors ``x [..., K]``, ``weight [N, K]``, ``bias [N]``.
+
+    :func:`available` must have returned True. Any number of rows is accepted (groups of 8 per
+    pass over the weights); callers send at most :data:`MAX_ROWS`.
+    """
+    return torch.ops.draftsmith.small_linear(x, weight, bias)
