@@ -154,7 +154,7 @@ def section_plain(args, model, tok, out: dict) -> None:
         "hf-generate": hf, "ours-lean": ours("auto"), "ours-hf-dynamic": ours("hf-dynamic")}
     if args.compile:
         rows["ours-lean-compiled"] = ours("auto", compile=True)
-    if out.get("weight_layout") == "onednn":  # also as loaded (MKL): what generate gives out of the box
+    if out.get("weight_layout") in ("onednn", "cpp"):  # also as loaded (MKL): what generate gives out of the box
         rows["hf-generate@out-in"] = as_loaded(model, hf)
         rows["ours-lean@out-in"] = as_loaded(model, ours("auto"))
     ps = prompts(args, model, tok)
@@ -198,19 +198,19 @@ def section_plain(args, model, tok, out: dict) -> None:
 
 
 def as_loaded(model, fn: Callable[[list[int]], list[int]]) -> Callable[[list[int]], list[int]]:
-    """``fn`` run with the Linear layers that ``--weight-layout onednn`` switched put back as loaded
-    (MKL's GEMM) for the call, and switched again after."""
-    from draftsmith.models.verifier import OneDNNLinear
+    """``fn`` run with the Linear layers that ``--weight-layout onednn`` or ``cpp`` switched put back as
+    loaded (MKL's GEMM) for the call, and switched again after."""
+    from draftsmith.models.verifier import CppLinear, OneDNNLinear
 
     def run(ids: list[int]) -> list[int]:
-        mods = [m for m in model.modules() if type(m) is OneDNNLinear]
-        for m in mods:
+        mods = [(m, type(m)) for m in model.modules() if type(m) in (OneDNNLinear, CppLinear)]
+        for m, _ in mods:
             m.__class__ = torch.nn.Linear
         try:
             return fn(ids)
         finally:
-            for m in mods:
-                m.__class__ = OneDNNLinear
+            for m, kind in mods:
+                m.__class__ = kind
     return run
 
 
@@ -537,11 +537,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--weight-layout", choices=["auto", "out-in", "in-out", "onednn"], default="out-in",
+    ap.add_argument("--weight-layout", choices=["auto", "out-in", "in-out", "onednn", "cpp"], default="out-in",
                     help="how the plain, context and draft sections hold and multiply the Linear weights (as "
-                         "loaded, [in, out], through oneDNN, or auto: the one draftsmith bench's --weight-layout "
-                         "auto picks here, by its own probe); with onednn (picked or asked) the plain section "
-                         "also runs generate and our loop as loaded")
+                         "loaded, [in, out], through oneDNN, through draftsmith's few-row kernel, or auto: the one "
+                         "draftsmith bench's --weight-layout auto picks here, by its own probe); with onednn or "
+                         "cpp (picked or asked) the plain section also runs generate and our loop as loaded")
     ap.add_argument("--layout-context", type=int, default=256, help="cached positions in the layout section")
     ap.add_argument("--layout-rows", type=int, default=6, help="verify steps of 1..N tokens (layout section)")
     ap.add_argument("--layout-passes", type=int, default=4, help="alternations of the two layouts (layout)")
