@@ -1,14 +1,16 @@
 """A few-row float32 linear kernel against MKL and inductor's C++ GEMM template (BENCHMARKS.md 9t).
 
 On the SPR a compiled verify of 2 / 3 / 4 tokens costs more than a one-token step (9q, 9r), though
-its weight bytes are the same. ``few_row_linear.cpp`` is a kernel written to read each weight row
-once for all the rows of a verify (8 output rows per block, 2 rows of x per tile, prefetched
-streams; each output the same sum in the same order whatever the number of rows). Two sections,
-rows interleaved per repeat, medians:
+its weight bytes are the same. The kernel was written to read each weight row once for all the
+rows of a verify (8 output rows per block, 2 rows of x per tile, prefetched streams; each output
+the same sum in the same order whatever the number of rows). It was not adopted for compiled
+steps (9t); since 15g it is the eager steps' ``--weight-layout cpp`` (``draftsmith.models.cpu_linear``,
+``src/draftsmith/models/cpu_linear.cpp``), and this script measures that op. Two sections, rows
+interleaved per repeat, medians:
 
 - ``gemm``: the 211 GEMMs of a SmolLM2-135M step (538 MB of float32 weights streamed from memory)
-  for 1..N rows: ``torch.mm`` (MKL) vs the kernel, and whether the kernel's rows are bitwise
-  independent of how many rows it is given.
+  for 1..N rows: ``torch.mm`` (MKL) vs the kernel and (since 15g) oneDNN's matmul, and whether the
+  kernel's rows are bitwise independent of how many rows it is given.
 - ``steps``: the compiled lean step of SmolLM2-135M at ``--context`` cached tokens, wall time per
   step, for the engine's C++ GEMM template tier, ATen (MKL, inductor without freezing) and the
   kernel (inductor without freezing, every plain Linear through the kernel); and whether a verify
@@ -31,21 +33,20 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("few_row_linear.cpp")
 H, INTER, KV, VOCAB, LAYERS = 576, 1536, 192, 49152, 30  # SmolLM2-135M
 _ROUTED = False
 
 
 def build() -> None:
-    from draftsmith.models import cpp_ops
+    from draftsmith.models import cpu_linear
 
-    cpp_ops.build(SOURCE, "draftsmith_bench_rows_linear")
-    torch.library.register_fake("draftsmith_bench::rows_linear")(
-        lambda x, w, b: x.new_empty((x.shape[0], w.shape[0])))
+    if not cpu_linear.available():
+        raise SystemExit("the kernel could not be built here (see the warning above)")
+    torch.library.register_fake("draftsmith::small_linear")(lambda x, w, b: x.new_empty((*x.shape[:-1], w.shape[0])))
 
 
 def rows_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.draftsmith_bench.rows_linear(x, w, b)
+    return torch.ops.draftsmith.small_linear(x, w, b)
 
 
 def gemm_section(rows: list[int], repeats: int) -> dict:
@@ -66,12 +67,14 @@ def gemm_section(rows: list[int], repeats: int) -> dict:
         fn(xm, head)
 
     fns = {"mkl": lambda a, w: torch.mm(a, w.t()), "kernel": lambda a, w: rows_linear(a, w)}
+    if torch.backends.mkldnn.is_available():  # --weight-layout onednn's kernel
+        fns["onednn"] = lambda a, w: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
     seen: dict = {}
     names = list(fns)
     for rep in range(repeats + 1):
         for m in rows:
             xm, xi = torch.randn(m, H, generator=g), torch.randn(m, INTER, generator=g)
-            for name in names[rep % 2:] + names[:rep % 2]:
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
                 t = time.perf_counter()
                 step(fns[name], xm, xi)
                 if rep:  # the first pass warms up

@@ -1,149 +1,161 @@
-// Few-row float32 linear on the CPU (draftsmith.models.cpu_linear): y [M, N] = x [M, K] W [N, K]^T + b.
+// Few-row float32 linear on the CPU (draftsmith.models.cpu_linear, `--weight-layout cpp`):
+// y [..., N] = x [..., K] W[N, K]^T (+ b).
 //
-// A decode or verify step multiplies 1 to k + 1 rows by every weight: the step reads each weight
-// once, and the product is bound by memory bandwidth, not arithmetic. MKL's and oneDNN's GEMMs
-// are built for many rows and pay for packing, blocking and dispatch per call; on the AMD EPYC
-// of BENCHMARKS.md a SmolLM2-135M step's Linear layers reached ~60% of a plain read of their
-// weights through oneDNN (MKL less, and 1.4-2.2x dearer at 2-6 rows). Here each thread takes
-// blocks of R weight rows [n, n + R) and computes their dot products with all M input rows in
-// one pass over those weights, in R x M vector accumulators (R chosen per M to fit the vector
-// registers), so M rows cost about what one does.
+// A decode step has m = 1 row, a verify step m = k + 1, so the product is a read of W with a
+// little arithmetic per weight. MKL's and oneDNN's GEMMs are made for many rows: on the AMD EPYC
+// of BENCHMARKS.md (15g) the 211 GEMMs of a SmolLM2-135M step took 48 ms through MKL and 33 ms
+// through oneDNN at one row, 21 ms here. The kernel streams W from memory once whatever m is:
+// output rows in blocks of 8 (eight sequential streams of W per thread, prefetched ahead), each
+// block multiplied with every row of x (x stays in L1) in tiles of 2 rows (a block's W is still
+// in L1/L2 for the next tile), 16 accumulators of 16 lanes, summed across lanes by one
+// transpose-and-add tree. W stays as the model holds it ([N, K], row-major): no packed copy.
+// (Written first for the SPR's compiled verify steps, where it lost to inductor's GEMM template:
+// BENCHMARKS.md 9t; the eager steps use it since 15g.)
 //
-// Every output y[m, n] is summed in the same order whatever M, R and the thread split are (per
-// vector lane over k in steps of the lane count, then the lanes, then the scalar tail), so a row
-// computed in a verify step is bitwise the row a one-token step computes for the same input.
+// Every y[i, n] is the same sum in the same order (lane j holds k = j mod 16, the tree adds
+// the lanes in a fixed order, the bias last) whatever m is and whichever tile row i sits in,
+// so a verify step's rows are bitwise those of one-token steps over the same inputs.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
-
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include <cstring>
 
 namespace {
 
-#if defined(__AVX512F__)
-using Vec = __m512;
-constexpr int kLanes = 16;
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(Vec a) { return _mm512_reduce_add_ps(a); }
-// weight rows per block for M = 1..8 input rows: M * R accumulators + R weights + 1 input <= 32 registers
-constexpr int kRows[9] = {0, 8, 8, 6, 6, 5, 4, 3, 3};
-#elif defined(__AVX2__)
-using Vec = __m256;
-constexpr int kLanes = 8;
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(Vec a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-constexpr int kRows[9] = {0, 6, 4, 3, 3, 2, 2, 2, 1};  // 16 registers
-#else  // portable: the compiler's own vectorization, if any
-using Vec = float;
-constexpr int kLanes = 1;
-inline Vec vzero() { return 0.0f; }
-inline Vec vload(const float* p) { return *p; }
-inline Vec vfma(Vec a, Vec b, Vec c) { return a * b + c; }
-inline float vsum(Vec a) { return a; }
-constexpr int kRows[9] = {0, 4, 4, 2, 2, 2, 2, 1, 1};
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+#ifdef __clang__
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, v16i{__VA_ARGS__})
 #endif
 
-constexpr int kMaxRows = 8;  // input rows per pass over the weights
+// Output rows per block (8 sequential streams of W per thread: on the SPR, 4 streams made a verify
+// of 2 / 4 rows ~1.14x / 1.29x one row, 8 streams ~1.05x / 1.2x) and x rows per tile: 8 x 2 = the
+// 16 accumulators one transpose tree sums.
+constexpr int64_t kRowBlock = 8;
+constexpr int64_t kTile = 2;
+static_assert(kRowBlock * kTile == 16, "one hsum16 per block and tile");
+// Bytes ahead of each W stream prefetched into L2 (none: a verify of 2 rows 1.25x one row, 512: 1.05-1.11x).
+constexpr int64_t kPrefetch = 512;
 
-// y[m, r] for M input rows x (row stride ldx) and R weight rows w (row stride K), r in [0, R)
-template <int M, int R>
-inline void block(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy, const float* b) {
-  Vec acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = vzero();
-  const int64_t kv = K - K % kLanes;
-  for (int64_t k = 0; k < kv; k += kLanes) {
-    Vec wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = vload(w + r * K + k);
-    for (int m = 0; m < M; ++m) {
-      const Vec xv = vload(x + m * ldx + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = vfma(xv, wv[r], acc[m][r]);
-    }
-  }
-  for (int m = 0; m < M; ++m) {
-    for (int r = 0; r < R; ++r) {
-      float s = vsum(acc[m][r]);
-      for (int64_t k = kv; k < K; ++k) s += x[m * ldx + k] * w[r * K + k];
-      y[m * ldy + r] = b ? s + b[r] : s;
-    }
-  }
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 }
 
-template <int M>
-void all_rows(const float* x, int64_t ldx, const float* w, int64_t N, int64_t K, float* y, int64_t ldy,
-              const float* b) {
-  constexpr int R = kRows[M];
-  const int64_t blocks = (N + R - 1) / R;
-  // ~32 KiB of weights per task at least: enough work per task that 2-16 threads all get some
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 13) / std::max<int64_t>(K * R, 1));
-  at::parallel_for(0, blocks, grain, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      const int64_t n = t * R;
-      if (n + R <= N) {
-        block<M, R>(x, ldx, w + n * K, K, y + n, ldy, b ? b + n : nullptr);
-      } else {  // the last, partial block: one weight row at a time (the same sums, see the top)
-        for (int64_t j = n; j < N; ++j) block<M, 1>(x, ldx, w + j * K, K, y + j, ldy, b ? b + j : nullptr);
-      }
-    }
-  });
+// The first `n` floats of p, the rest zero.
+inline v16f load_tail(const float* p, int64_t n) {
+  float buf[16] = {0.f};
+  std::memcpy(buf, p, n * sizeof(float));
+  return load16(buf);
 }
 
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "small_linear: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "small_linear: float32 only");
-  TORCH_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
-              "small_linear: x [..., K] and weight [N, K] expected, got ", x.sizes(), " and ", weight.sizes());
-  const at::Tensor w = weight.contiguous();
-  const int64_t N = w.size(0), K = w.size(1);
-  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
-  const int64_t rows = x2.size(0);
-  at::Tensor b;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N, "small_linear: bias [N] float32 expected");
-    b = bias->contiguous();
-    bp = b.data_ptr<float>();
-  }
-  at::Tensor y = at::empty({rows, N}, x2.options());
-  const float* xp = x2.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
-    const float* xm = xp + m0 * K;
-    float* ym = yp + m0 * N;
-    switch (std::min<int64_t>(kMaxRows, rows - m0)) {
-      case 1: all_rows<1>(xm, K, wp, N, K, ym, N, bp); break;
-      case 2: all_rows<2>(xm, K, wp, N, K, ym, N, bp); break;
-      case 3: all_rows<3>(xm, K, wp, N, K, ym, N, bp); break;
-      case 4: all_rows<4>(xm, K, wp, N, K, ym, N, bp); break;
-      case 5: all_rows<5>(xm, K, wp, N, K, ym, N, bp); break;
-      case 6: all_rows<6>(xm, K, wp, N, K, ym, N, bp); break;
-      case 7: all_rows<7>(xm, K, wp, N, K, ym, N, bp); break;
-      default: all_rows<8>(xm, K, wp, N, K, ym, N, bp); break;
+// r[i] = the sum of the 16 lanes of a[i]: a fixed transpose-and-add tree.
+inline v16f hsum16(const v16f* a) {
+  v16f b[8], c[4], d[2];
+  for (int j = 0; j < 8; ++j)
+    b[j] = SHUF(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUF(a[2 * j], a[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int j = 0; j < 4; ++j)
+    c[j] = SHUF(b[2 * j], b[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           SHUF(b[2 * j], b[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int j = 0; j < 2; ++j)
+    d[j] = SHUF(c[2 * j], c[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           SHUF(c[2 * j], c[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return SHUF(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         SHUF(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// y[t, n0 + r] for r < R (R <= kRowBlock) and the x rows xr[t], t < T; rows of W past R are
+// computed on a repeat of the last valid one and never stored, and so are tile rows past `stored`.
+template <int T>
+inline void block_tile(const float* const* xr, int stored, const float* w, int64_t K, int64_t R, const float* bias,
+                       float* y, int64_t ldy) {
+  const float* wr[kRowBlock];
+  for (int64_t r = 0; r < kRowBlock; ++r) wr[r] = w + std::min(r, R - 1) * K;
+  v16f acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = v16f{};
+  const int64_t K16 = K - K % 16;
+  for (int64_t k = 0; k < K16; k += 16) {
+    v16f wv[kRowBlock];
+    for (int r = 0; r < kRowBlock; ++r) {
+      __builtin_prefetch(reinterpret_cast<const char*>(wr[r] + k) + kPrefetch, 0, 2);
+      wv[r] = load16(wr[r] + k);
+    }
+    for (int t = 0; t < T; ++t) {
+      const v16f xv = load16(xr[t] + k);
+      for (int r = 0; r < kRowBlock; ++r) acc[t * kRowBlock + r] += xv * wv[r];
     }
   }
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  return y.view(shape);
+  if (K16 < K) {
+    v16f wv[kRowBlock];
+    for (int r = 0; r < kRowBlock; ++r) wv[r] = load_tail(wr[r] + K16, K - K16);
+    for (int t = 0; t < T; ++t) {
+      const v16f xv = load_tail(xr[t] + K16, K - K16);
+      for (int r = 0; r < kRowBlock; ++r) acc[t * kRowBlock + r] += xv * wv[r];
+    }
+  }
+  const v16f s = hsum16(acc);  // lane t * kRowBlock + r: row t of the tile, output row r
+  for (int t = 0; t < stored; ++t)
+    for (int64_t r = 0; r < R; ++r) y[t * ldy + r] = bias ? s[t * kRowBlock + r] + bias[r] : s[t * kRowBlock + r];
+}
+
+void rows_block(const float* x, int64_t m, int64_t ldx, const float* w, int64_t K, int64_t R, const float* bias,
+                float* y, int64_t ldy) {
+  for (int64_t i = 0; i < m; i += kTile) {
+    const int left = static_cast<int>(std::min<int64_t>(kTile, m - i));
+    const float* xr[kTile];
+    for (int t = 0; t < kTile; ++t) xr[t] = x + (i + std::min(t, left - 1)) * ldx;
+    float* yi = y + i * ldy;
+    if (left == 1) block_tile<1>(xr, 1, w, K, R, bias, yi, ldy);
+    else block_tile<kTile>(xr, left, w, K, R, bias, yi, ldy);
+  }
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(draftsmith, lib) {  // a fragment: other sources and Python register draftsmith:: ops too
-  lib.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "small_linear: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "small_linear: float32 x and w");
+  TORCH_CHECK(x.dim() >= 1 && w.dim() == 2 && x.size(-1) == w.size(1),
+              "small_linear: x [..., K] and w [N, K] expected, got ", x.sizes(), " and ", w.sizes());
+  const at::Tensor xc = x.reshape({-1, w.size(1)}).contiguous();
+  const at::Tensor wc = w.contiguous();
+  at::Tensor bc;
+  if (b.has_value() && b->defined()) {
+    TORCH_CHECK(b->dim() == 1 && b->size(0) == w.size(0) && b->scalar_type() == at::kFloat, "small_linear: b [N]");
+    bc = b->contiguous();
+  }
+  const int64_t m = xc.size(0), K = xc.size(1), N = wc.size(0);
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  at::Tensor y = at::empty({m, N}, xc.options());
+  if (m == 0 || N == 0) return y.view(shape);
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
+  // ~64 KB of W per task at least: a small projection stays on one thread
+  const int64_t grain = std::max<int64_t>(1, (16384 / std::max<int64_t>(K, 1)) / kRowBlock);
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * kRowBlock;
+      const int64_t R = std::min(kRowBlock, N - n0);
+      rows_block(xp, m, K, wp + n0 * K, K, R, bp ? bp + n0 : nullptr, yp + n0, N);
+    }
+  });
+  return y.view(shape);
 }
+
+TORCH_LIBRARY_FRAGMENT(draftsmith, lib) {  // a fragment: other sources and Python register draftsmith:: ops too
+  lib.def("small_linear(Tensor x, Tensor w, Tensor? b) -> Tensor");
+}
+
 TORCH_LIBRARY_IMPL(draftsmith, CPU, lib) { lib.impl("small_linear", &small_linear); }

@@ -1,17 +1,18 @@
 """Few-row float32 Linear on the CPU: a C++ kernel as a custom op (``--weight-layout cpp``).
 
 An eager decode step multiplies one row (a verify step k + 1 rows) by each weight, and costs
-what reading the weights costs. MKL's float32 GEMM and oneDNN's matmul are made for many
-rows: on the AMD EPYC of BENCHMARKS.md a SmolLM2-135M one-token step's Linear layers ran at
-~60% of a plain read of their weights through oneDNN (the faster of the two there), MKL's
-verify steps of 2-6 rows at 1.4-2.2x its one-row cost. :func:`small_linear` reads each weight
-once for up to :data:`MAX_ROWS` rows, in blocks of weight rows per thread (``cpu_linear.cpp``),
-and its rows are batch-invariant: a row of a verify step is bitwise the row a one-token step
-computes for the same input.
+what reading the weights costs. MKL's float32 GEMM and oneDNN's matmul are made for many rows:
+on the AMD EPYC of BENCHMARKS.md (15g) the 211 GEMMs of a SmolLM2-135M step took 48 ms through
+MKL and 33 ms through oneDNN at one row, and 1.7x / 1.2x that at two. :func:`small_linear` reads
+each weight once for all rows (blocks of 8 weight rows per thread, prefetched, times tiles of 2
+input rows; ``cpu_linear.cpp``): 21 ms at one row, 1.07x at two there. Its rows are
+batch-invariant: a row of a verify step is bitwise the row a one-token step computes for the
+same input.
 
 The extension is built on first use (:func:`draftsmith.models.cpp_ops.build`, ~25 s once, cached
 by torch); where it cannot be built, :func:`available` is False (one warning) and the layout is
-not offered. Eager only: compiled steps multiply with inductor's own kernels.
+not offered. Eager only: compiled steps multiply with inductor's own kernels (on the SPR this
+kernel lost to inductor's GEMM template there: BENCHMARKS.md 9t).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_linear.cpp")
 #: Rows up to which :func:`small_linear` is the kernel (a verify step of up to 7 drafted tokens);
-#: longer inputs (a prefill) read the weights once per 8 rows there, so they take MKL's GEMM.
+#: longer inputs (a prefill) take MKL's GEMM, made for them.
 MAX_ROWS = 8
 
 
@@ -52,7 +53,7 @@ def available() -> bool:
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for float32 CPU tensors ``x [..., K]``, ``weight [N, K]``, ``bias [N]``.
 
-    :func:`available` must have returned True. Any number of rows is accepted (groups of 8 per
-    pass over the weights); callers send at most :data:`MAX_ROWS`.
+    :func:`available` must have returned True. Any number of rows is accepted; callers send at
+    most :data:`MAX_ROWS`.
     """
     return torch.ops.draftsmith.small_linear(x, weight, bias)
