@@ -71,7 +71,7 @@ class BenchSettings:
                 "~15% cheaper on Intel; 2 tokens ~4% dearer; the weights are held twice meanwhile); onednn "
                 "(CPU: oneDNN's matmul instead of MKL's float32 GEMM, on the same weights; on AMD EPYC a "
                 "one-token step ~0.9x, a verify step of 2-6 tokens 1.16-1.28x a one-token step instead of "
-                "1.4-2.2x); cpp (CPU, float32: draftsmith's few-row C++ kernel for steps of up to 8 tokens, a "
+                "1.4-2.2x); cpp (CPU, float32: draftsmith's few-row C++ kernel for steps of up to 16 tokens, a "
                 "prefill on MKL's GEMM; built on first use, ~25 s once; on AMD EPYC a one-token step ~0.75x "
                 "oneDNN's, and a row's result does not depend on how many tokens the step has). Results differ "
                 "between layouts by rounding; every row of a run uses the same one")

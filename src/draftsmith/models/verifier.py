@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.cpu_linear import MAX_ROWS as _CPP_MAX_ROWS
 from draftsmith.utils import atomic_dir, cache_dir, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -323,9 +324,7 @@ class CppLinear(torch.nn.Linear):
     (a prefill), other dtypes and compiled graphs take ``F.linear`` on the same weight (MKL's GEMM)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from draftsmith.models.cpu_linear import MAX_ROWS
-
-        if 0 < x.numel() <= MAX_ROWS * self.in_features and x.dtype is torch.float32 \
+        if 0 < x.numel() <= _CPP_MAX_ROWS * self.in_features and x.dtype is torch.float32 \
                 and not torch.compiler.is_compiling():
             return torch.ops.draftsmith.small_linear(x, self.weight, self.bias)
         return torch.nn.functional.linear(x, self.weight, self.bias)
@@ -336,9 +335,9 @@ def linears_cpp(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
     """Multiply ``model``'s float32 Linear layers with draftsmith's few-row C++ kernel while the block
     runs (decode and verify steps; a prefill stays on MKL's GEMM); put them back after.
 
-    On the AMD EPYC of BENCHMARKS.md (section 15g) a SmolLM2-135M eager one-token step costs 0.76x
-    its oneDNN cost with it (the Linear layers near a plain read of their weights), and a row's
-    result does not depend on how many rows the step has. The module class is swapped in place
+    On the AMD EPYC of BENCHMARKS.md (section 15g) a SmolLM2-135M eager one-token step costs ~0.7x
+    its oneDNN cost with it and a 2-token verify ~1.05-1.1x a one-token step, and a row's result
+    does not depend on how many rows the step has. The module class is swapped in place
     (to :class:`CppLinear`), as :func:`linears_onednn` does; against MKL or oneDNN results differ
     by rounding, so a report states the layout it measured with. CPU only.
 
