@@ -364,9 +364,9 @@ def test_bench_rows_count_every_precision_quantization_and_reference():
 
 
 def test_layout_probe_is_priced_for_auto_only():
-    """--weight-layout auto's probe: 3 layouts (as loaded, oneDNN, the few-row kernel) x 2 passes, each a prefill of the cost context and
-    6 steps of each n in {1, k + 1} (n tokens at 1 + 0.1 (n - 1) one-token steps); a fixed layout
-    costs nothing (the negative control)."""
+    """--weight-layout auto's probe: 3 layouts (as loaded, oneDNN, the few-row kernel) x 2 passes, each a
+    prefill of the cost context and 6 steps of each n in {1, k + 1} (n tokens at 1 + 0.1 (n - 1)
+    one-token steps); a fixed layout costs nothing (the negative control)."""
     from draftsmith.bench import BenchSettings
 
     auto = BenchSettings(num_draft_tokens=[1, 3], max_new_tokens=128)

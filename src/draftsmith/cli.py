@@ -61,7 +61,7 @@ class GenerateConfig:
         "out-in", "how the verifier's and draft's Linear weights are held and multiplied: out-in (as loaded); "
                   "onednn (CPU: oneDNN's matmul on the same weights; on AMD EPYC a one-token step ~0.7x MKL's); "
                   "cpp (CPU, float32: draftsmith's few-row C++ kernel for decode and verify steps, built on "
-                  "first use; on AMD EPYC a one-token step ~0.75x oneDNN's); "
+                  "first use; on AMD EPYC a one-token step ~0.7x oneDNN's); "
                   "in-out (transposed, held twice meanwhile); auto (time the verifier's steps in each CPU "
                   "kernel first, a few seconds, and take bench's --weight-layout auto choice). "
                   "Greedy output is the verifier's own in each; between layouts it can differ by rounding")

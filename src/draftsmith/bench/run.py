@@ -64,7 +64,8 @@ class BenchSettings:
     weight_layout: Literal["auto", "out-in", "in-out", "onednn", "cpp"] = opt(
         "auto", "how the verifier's and drafts' Linear weights are held and multiplied while measuring: "
                 "auto (the default: before anything is timed, the verifier's one-token and verify steps are "
-                "timed as loaded and, on a CPU, through oneDNN and through draftsmith's few-row kernel; the layout whose one-token step (plain "
+                "timed as loaded and, on a CPU, through oneDNN and through draftsmith's few-row kernel; the "
+                "layout whose one-token step (plain "
                 f"decoding, the baseline) is fastest, within {LAYOUT_TIE:.0%}, wins, and among those the one with "
                 "the cheapest verify steps; the report says which and why); out-in (as loaded); in-out "
                 "(transposed in memory: float32 CPU verify steps of 4+ tokens, k >= 3, avoid MKL's GEMM cliff, "
@@ -72,7 +73,7 @@ class BenchSettings:
                 "(CPU: oneDNN's matmul instead of MKL's float32 GEMM, on the same weights; on AMD EPYC a "
                 "one-token step ~0.9x, a verify step of 2-6 tokens 1.16-1.28x a one-token step instead of "
                 "1.4-2.2x); cpp (CPU, float32: draftsmith's few-row C++ kernel for steps of up to 16 tokens, a "
-                "prefill on MKL's GEMM; built on first use, ~25 s once; on AMD EPYC a one-token step ~0.75x "
+                "prefill on MKL's GEMM; built on first use, ~25 s once; on AMD EPYC a one-token step ~0.7x "
                 "oneDNN's, and a row's result does not depend on how many tokens the step has). Results differ "
                 "between layouts by rounding; every row of a run uses the same one")
     quantize: list[str] = opt(default_factory=list,

@@ -3,7 +3,7 @@
 //
 // A decode step has m = 1 row, a verify step m = k + 1, so the product is a read of W with a
 // little arithmetic per weight. MKL's and oneDNN's GEMMs are made for many rows: on the AMD EPYC
-// of BENCHMARKS.md (15g) the 211 GEMMs of a SmolLM2-135M step took 48 ms through MKL and 33 ms
+// of BENCHMARKS.md (15g) the 211 GEMMs of a SmolLM2-135M step took 47 ms through MKL and 29 ms
 // through oneDNN at one row, 21 ms here. The kernel streams W from memory once whatever m is:
 // output rows in blocks of 8 (eight sequential streams of W per thread, prefetched ahead), each
 // block multiplied with every row of x (x stays in L1) in tiles of 2 rows (a block's W is still

@@ -2,10 +2,10 @@
 
 An eager decode step multiplies one row (a verify step k + 1 rows) by each weight, and costs
 what reading the weights costs. MKL's float32 GEMM and oneDNN's matmul are made for many rows:
-on the AMD EPYC of BENCHMARKS.md (15g) the 211 GEMMs of a SmolLM2-135M step took 48 ms through
-MKL and 33 ms through oneDNN at one row, and 1.7x / 1.2x that at two. :func:`small_linear` reads
+on the AMD EPYC of BENCHMARKS.md (15g) the 211 GEMMs of a SmolLM2-135M step took 47 ms through
+MKL and 29 ms through oneDNN at one row, and 1.6x / 1.1x that at two. :func:`small_linear` reads
 each weight once for all rows (blocks of 8 weight rows per thread, prefetched, times tiles of 2
-input rows; ``cpu_linear.cpp``): 21 ms at one row, 1.07x at two there. Its rows are
+input rows; ``cpu_linear.cpp``): 21 ms at one or two rows there. Its rows are
 batch-invariant: a row of a verify step is bitwise the row a one-token step computes for the
 same input.
 

@@ -178,8 +178,9 @@ def pilot_seconds(rates: Rates, bench: Any, drafts: int) -> float:
 
 def layout_probe_seconds(rates: Rates, bench: Any) -> float:
     """``bench.weight_layout`` auto's probe (:func:`draftsmith.bench.measure.choose_weight_layout`):
-    per candidate layout (up to three on a CPU: as loaded, oneDNN, the few-row kernel) and pass, the cost context's prefill and (warm-up + repeats)
-    verify steps of each n in {1, k + 1}, each priced at a one-token step plus 10% per extra token.
+    per candidate layout (up to three on a CPU: as loaded, oneDNN, the few-row kernel) and pass, the
+    cost context's prefill and (warm-up + repeats) verify steps of each n in {1, k + 1}, each priced
+    at a one-token step plus 10% per extra token.
     0 for a fixed layout, and for compiled steps (only the loaded layout applies to them)."""
     if bench.weight_layout != "auto" or getattr(bench, "compile", False):
         return 0.0
