@@ -419,3 +419,43 @@ def test_plan_reserves_the_bench_compile_time():
     # ... paid for with fewer bench prompts or conversations (the bench keeps its share of the budget)
     assert (compiled.bench_prompts, compiled.num_conversations) < (plain.bench_prompts, plain.num_conversations)
     assert B.make_plan(20, FAST, **KW, bench_compile_seconds=0.0) == plain  # negative control: nothing reserved
+
+
+def test_decode_price_is_the_cheapest_layout_the_bench_may_decode_in(monkeypatch):
+    """The plan prices the bench's decode steps in the layout it will decode in: with auto (eager),
+    the cheapest of the probe's candidates; a fixed layout, or compiled steps (as loaded), that one
+    alone (the controls). A fake clock makes each layout's step cost differ."""
+    import types
+
+    import torch
+
+    import draftsmith.data.sources as sources
+    import draftsmith.decoding.engine as engine
+    from draftsmith.bench import BenchSettings
+    from draftsmith.models.verifier import CppLinear, OneDNNLinear
+
+    lin = torch.nn.Linear(4, 4)
+    v = types.SimpleNamespace(model=torch.nn.Sequential(lin), tokenizer=None)
+    monkeypatch.setattr(sources, "eval_set", lambda name, tok, limit: [("p", [1, 2, 3])])
+    step = {torch.nn.Linear: 0.05, OneDNNLinear: 0.04, CppLinear: 0.03}
+    seen = []
+    clock = [0.0]
+    monkeypatch.setattr(B, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def fake_generate(model, prompt, max_new_tokens, **kw):
+        seen.append(type(lin))
+        clock[0] += 0.5 + step[type(lin)] * (max_new_tokens - 1)  # prefill, then the steps
+        return types.SimpleNamespace(stats={"prefill_seconds": 0.5}, token_ids=list(range(max_new_tokens)))
+
+    monkeypatch.setattr(engine, "generate", fake_generate)
+    from draftsmith.bench import measure
+
+    cands = measure.layout_candidates(v.model)
+    price = B.decode_price(v, BenchSettings())  # auto
+    assert price == pytest.approx(min(step[{"out-in": torch.nn.Linear, "onednn": OneDNNLinear,
+                                            "cpp": CppLinear}[c]] for c in cands))
+    assert len(seen) == 2 * len(cands) and type(lin) is torch.nn.Linear  # warm-up + timed each; put back
+    assert B.decode_price(v, BenchSettings(weight_layout="out-in")) == pytest.approx(0.05)
+    assert B.decode_price(v, BenchSettings(compile=True)) == pytest.approx(0.05)
+    if "onednn" in cands:
+        assert B.decode_price(v, BenchSettings(weight_layout="onednn")) == pytest.approx(0.04)

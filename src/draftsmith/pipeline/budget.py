@@ -334,15 +334,31 @@ def kept_prompts(lengths: list[int], limit: int | None) -> tuple[float, float]:
 
 
 def decode_price(v: Any, bench: Any) -> float:
-    """Seconds per plain decode step of the verifier at the bench's dtype (24 steps after a warm-up)."""
+    """Seconds per plain decode step of the verifier at the bench's dtype (24 steps after a warm-up),
+    in the weight layout the bench will decode in: the one asked, or with ``auto`` (eager steps) the
+    cheapest of the layouts its probe times (it keeps a one-token step within 3% of the fastest;
+    as loaded, a plan priced the EPYC's bench at MKL's step, ~1.9x the few-row kernel's one it ran:
+    BENCHMARKS.md 15g)."""
+    from draftsmith.bench.measure import layout_candidates
     from draftsmith.data.sources import eval_set
     from draftsmith.decoding.engine import generate
+    from draftsmith.models.verifier import weight_layout
 
     (_, prompt), = eval_set(bench.dataset, v.tokenizer, limit=1)
-    generate(v.model, prompt, max_new_tokens=4)  # warm-up
-    t0 = time.perf_counter()
-    out = generate(v.model, prompt, max_new_tokens=24, eos_token_id=[])
-    return (time.perf_counter() - t0 - out.stats["prefill_seconds"]) / max(len(out.token_ids) - 1, 1)
+    asked = getattr(bench, "weight_layout", "out-in")
+    if getattr(bench, "compile", False):
+        layouts = ["out-in"]
+    else:
+        layouts = layout_candidates(v.model) if asked == "auto" else [asked]
+    prices = []
+    for layout in layouts:
+        with weight_layout(v.model, layout):
+            generate(v.model, prompt, max_new_tokens=4)  # warm-up
+            t0 = time.perf_counter()
+            out = generate(v.model, prompt, max_new_tokens=24, eos_token_id=[])
+            seconds = time.perf_counter() - t0
+        prices.append((seconds - out.stats["prefill_seconds"]) / max(len(out.token_ids) - 1, 1))
+    return min(prices)
 
 
 def capture_and_train_prices(vd: Any, v: Any, replied: list[Any], data: Any, train: Any,
