@@ -191,29 +191,18 @@ class _WrongDrafter(Proposer):
         return Proposal((ctx.tokens[-1] + 1 + torch.arange(k)) % 128)
 
 
-def test_tiny_run_with_onednn_linears_is_lossless_and_puts_the_modules_back(tiny, tmp_path):
-    """--weight-layout onednn: every row still reproduces plain decoding (both multiply through
-    oneDNN), the report says so, and the verifier's Linear modules are plain again after."""
-    cfg = _cfg(tmp_path, num_draft_tokens=[2], weight_layout="onednn")
-    report = benchmark(tiny, _prompts(2), {"ngram": NgramProposer(), "perfect": DraftModelProposer(tiny)}, cfg,
-                       tmp_path, {"verifier": "tiny", "dataset": "synthetic"})
-    assert report["provenance"]["weight_layout"] == "onednn"
-    for r in report["rows"]:
-        assert r["identical_output_rate"] == 1.0, r["name"]
-    assert all(type(m) is torch.nn.Linear for m in tiny.modules() if isinstance(m, torch.nn.Linear))
-
-
-def test_tiny_run_with_cpp_linears_is_lossless_and_puts_the_modules_back(tiny, tmp_path):
-    """--weight-layout cpp: every row still reproduces plain decoding (both multiply through the
-    few-row kernel), the report says so, and the verifier's Linear modules are plain again after."""
+@pytest.mark.parametrize("layout", ["onednn", "cpp"])
+def test_tiny_run_with_switched_linears_is_lossless_and_puts_the_modules_back(tiny, tmp_path, layout):
+    """--weight-layout onednn / cpp: every row still reproduces plain decoding (both multiply through
+    the same kernel), the report says so, and the verifier's Linear modules are plain again after."""
     from draftsmith.models import cpu_linear
 
-    if not cpu_linear.available():
+    if layout == "cpp" and not cpu_linear.available():
         pytest.skip("no C++ toolchain to build the kernel")
-    cfg = _cfg(tmp_path, num_draft_tokens=[2, 3], weight_layout="cpp")
+    cfg = _cfg(tmp_path, num_draft_tokens=[2, 3], weight_layout=layout)
     report = benchmark(tiny, _prompts(2), {"ngram": NgramProposer(), "perfect": DraftModelProposer(tiny)}, cfg,
                        tmp_path, {"verifier": "tiny", "dataset": "synthetic"})
-    assert report["provenance"]["weight_layout"] == "cpp"
+    assert report["provenance"]["weight_layout"] == layout
     for r in report["rows"]:
         assert r["identical_output_rate"] == 1.0, r["name"]
     assert all(type(m) is torch.nn.Linear for m in tiny.modules() if isinstance(m, torch.nn.Linear))

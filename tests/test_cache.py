@@ -155,42 +155,19 @@ def test_weights_in_out_keep_lean_bitwise_transformers_and_are_put_back(arch):
         assert n == 0 and all(w.is_contiguous() for w in weights)
 
 
+@pytest.mark.parametrize("layout", ["onednn", "cpp"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_linears_onednn_keep_lean_bitwise_transformers_and_are_put_back(arch):
-    """--weight-layout onednn: inside the block every plain Linear multiplies through oneDNN, the lean
-    forward built there (its projections call the module) stays bitwise the transformers forward
-    there, the logits stay within rounding of MKL's, and the modules come back as loaded."""
-    from draftsmith.models.verifier import OneDNNLinear, linears_onednn, weight_layout
-
-    model = tiny_model(arch)
-    if arch == "llama":
-        model.lm_head.weight = model.model.embed_tokens.weight
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    ids = _ids(20)
-    with torch.inference_mode():
-        loaded = model(ids[None]).logits[0]
-    with weight_layout(model, "onednn") as n:
-        assert n == len(linears) > 0 and all(type(m) is OneDNNLinear for m in linears)
-        _lean_steps_match_transformers(model, ids, loaded)
-    assert all(type(m) is torch.nn.Linear for m in linears)
-    for name, p in model.named_parameters():
-        assert torch.equal(p, before[name]), name
-    with linears_onednn(model, enabled=False) as n:  # negative control: nothing switched
-        assert n == 0 and all(type(m) is torch.nn.Linear for m in linears)
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_linears_cpp_keep_lean_bitwise_transformers_and_are_put_back(arch):
-    """--weight-layout cpp: inside the block every float32 Linear is a CppLinear (steps of up to 8
-    tokens through draftsmith's kernel, a prefill through MKL), the lean forward built there stays
-    bitwise the transformers forward there, the logits stay within rounding of the loaded ones,
-    and the modules come back as loaded."""
+def test_switched_linears_keep_lean_bitwise_transformers_and_are_put_back(arch, layout):
+    """--weight-layout onednn / cpp: inside the block every (float32) Linear is the layout's module
+    (oneDNN's matmul; draftsmith's few-row kernel for steps, MKL for a prefill), the lean forward built
+    there (its projections call the module) stays bitwise the transformers forward there, the logits
+    stay within rounding of the loaded ones, and the modules come back as loaded."""
     from draftsmith.models import cpu_linear
-    from draftsmith.models.verifier import CppLinear, linears_cpp, weight_layout
+    from draftsmith.models.verifier import CppLinear, OneDNNLinear, linears_cpp, linears_onednn, weight_layout
 
-    if not cpu_linear.available():
+    if layout == "cpp" and not cpu_linear.available():
         pytest.skip("no C++ toolchain to build the kernel")
+    cls, switch = {"onednn": (OneDNNLinear, linears_onednn), "cpp": (CppLinear, linears_cpp)}[layout]
     model = tiny_model(arch)
     if arch == "llama":
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -199,13 +176,13 @@ def test_linears_cpp_keep_lean_bitwise_transformers_and_are_put_back(arch):
     ids = _ids(20)
     with torch.inference_mode():
         loaded = model(ids[None]).logits[0]
-    with weight_layout(model, "cpp") as n:
-        assert n == len(linears) > 0 and all(type(m) is CppLinear for m in linears)
+    with weight_layout(model, layout) as n:
+        assert n == len(linears) > 0 and all(type(m) is cls for m in linears)
         _lean_steps_match_transformers(model, ids, loaded)
     assert all(type(m) is torch.nn.Linear for m in linears)
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
-    with linears_cpp(model, enabled=False) as n:  # negative control: nothing switched
+    with switch(model, enabled=False) as n:  # negative control: nothing switched
         assert n == 0 and all(type(m) is torch.nn.Linear for m in linears)
 
 

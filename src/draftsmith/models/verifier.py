@@ -253,6 +253,18 @@ def weights_in_out(model: torch.nn.Module, enabled: bool = True) -> Iterator[int
             w.data = data
 
 
+@contextlib.contextmanager
+def _linears_as(mods: list[torch.nn.Linear], cls: type) -> Iterator[int]:
+    """``mods`` switched to the ``nn.Linear`` subclass ``cls`` in place while the block runs, plain after."""
+    for mod in mods:
+        mod.__class__ = cls
+    try:
+        yield len(mods)
+    finally:
+        for mod in mods:
+            mod.__class__ = torch.nn.Linear
+
+
 @functools.lru_cache(maxsize=1)
 def _register_onednn_linear() -> None:
     """Register ``torch.ops.draftsmith.onednn_linear``: ``x W^T + b`` through oneDNN's matmul, as an
@@ -309,13 +321,8 @@ def linears_onednn(model: torch.nn.Module, enabled: bool = True) -> Iterator[int
                 mods.append(mod)
     if mods:
         _register_onednn_linear()
-    for mod in mods:
-        mod.__class__ = OneDNNLinear
-    try:
-        yield len(mods)
-    finally:
-        for mod in mods:
-            mod.__class__ = torch.nn.Linear
+    with _linears_as(mods, OneDNNLinear) as n:
+        yield n
 
 
 class CppLinear(torch.nn.Linear):
@@ -362,13 +369,8 @@ def linears_cpp(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
         if not cpu_linear.available():
             raise DraftsmithError("--weight-layout cpp: the C++ kernel could not be built here (a C++ compiler "
                                   "and ninja are needed; the warning above says why); use out-in or onednn")
-    for mod in mods:
-        mod.__class__ = CppLinear
-    try:
-        yield len(mods)
-    finally:
-        for mod in mods:
-            mod.__class__ = torch.nn.Linear
+    with _linears_as(mods, CppLinear) as n:
+        yield n
 
 
 @contextlib.contextmanager
