@@ -4,7 +4,8 @@ attention) and ``cpu_linear.cpp`` (the eager steps' few-row Linear, ``--weight-l
 Each source registers ``draftsmith::`` ops with ``torch.library`` (a fragment each), so a compiled
 graph calls them without Python in between. They are built with the C++ compiler ``--compile``
 needs anyway (``torch.utils.cpp_extension``, ~25-60 s once each; cached by torch under
-``TORCH_EXTENSIONS_DIR``, the build named by a digest of the source and the flags).
+``TORCH_EXTENSIONS_DIR``, the build named by a digest of the source, the headers beside it
+(``cpu_vec.h``) and the flags).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def build(source: Path, prefix: str) -> None:
 
     ninja_on_path()
     fl = flags()
-    digest = hashlib.sha256(source.read_bytes() + " ".join(fl).encode()).hexdigest()[:12]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what it may include
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(fl).encode()).hexdigest()[:12]
     cpp_extension.load(name=f"{prefix}_{digest}", sources=[str(source)], extra_cflags=fl, extra_ldflags=["-fopenmp"],
                        is_python_module=False, verbose=False)

@@ -58,45 +58,16 @@ inline float exp_approx(float x) {
   return y * two_n.f;
 }
 
-// A vector of 16 floats in GCC/Clang vector extensions: one zmm with AVX-512, two ymm with AVX2.
-typedef float v16f __attribute__((vector_size(64)));
+#include "cpu_vec.h"  // v16f (16 floats: one zmm with AVX-512, two ymm with AVX2), v16i, SHUF, load16, hsum16
+
 typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 
-#ifdef __clang__
-#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUF(a, b, ...) __builtin_shuffle(a, b, v16i{__VA_ARGS__})
-#endif
-
-inline v16f load16(const float* p) {
-  v16f x;
-  std::memcpy(&x, p, sizeof x);
-  return x;
-}
 inline v16f load16(const c10::BFloat16* p) {
   v16h h;
   std::memcpy(&h, p, sizeof h);
   const v16u w = __builtin_convertvector(h, v16u) << 16;
   return reinterpret_cast<const v16f&>(w);
-}
-
-// r[i] = sum of the lanes of a[i], i < 16: a transpose-and-add tree (15 combines of two shuffles
-// and an add) instead of 16 horizontal sums.
-inline v16f hsum16(v16f* a) {
-  v16f b[8], c[4], d[2];
-  for (int j = 0; j < 8; ++j)
-    b[j] = SHUF(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           SHUF(a[2 * j], a[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  for (int j = 0; j < 4; ++j)
-    c[j] = SHUF(b[2 * j], b[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           SHUF(b[2 * j], b[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  for (int j = 0; j < 2; ++j)
-    d[j] = SHUF(c[2 * j], c[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           SHUF(c[2 * j], c[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  return SHUF(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         SHUF(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 // exp_approx on 16 lanes (the same reduction and polynomial; round-to-nearest by the 1.5 * 2^23

@@ -25,14 +25,7 @@
 
 namespace {
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-#ifdef __clang__
-#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUF(a, b, ...) __builtin_shuffle(a, b, v16i{__VA_ARGS__})
-#endif
+#include "cpu_vec.h"
 
 // Output rows per block (8 sequential streams of W per thread: on the SPR, 4 streams made a verify
 // of 2 / 4 rows ~1.14x / 1.29x one row, 8 streams ~1.05x / 1.2x) and x rows per tile: 8 x 2 = the
@@ -43,33 +36,11 @@ static_assert(kRowBlock * kTile == 16, "one hsum16 per block and tile");
 // Bytes ahead of each W stream prefetched into L2 (none: a verify of 2 rows 1.25x one row, 512: 1.05-1.11x).
 constexpr int64_t kPrefetch = 512;
 
-inline v16f load16(const float* p) {
-  v16f v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
 // The first `n` floats of p, the rest zero.
 inline v16f load_tail(const float* p, int64_t n) {
   float buf[16] = {0.f};
   std::memcpy(buf, p, n * sizeof(float));
   return load16(buf);
-}
-
-// r[i] = the sum of the 16 lanes of a[i]: a fixed transpose-and-add tree.
-inline v16f hsum16(const v16f* a) {
-  v16f b[8], c[4], d[2];
-  for (int j = 0; j < 8; ++j)
-    b[j] = SHUF(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           SHUF(a[2 * j], a[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  for (int j = 0; j < 4; ++j)
-    c[j] = SHUF(b[2 * j], b[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           SHUF(b[2 * j], b[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  for (int j = 0; j < 2; ++j)
-    d[j] = SHUF(c[2 * j], c[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           SHUF(c[2 * j], c[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  return SHUF(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         SHUF(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 // y[t, n0 + r] for r < R (R <= kRowBlock) and the x rows xr[t], t < T; rows of W past R are
