@@ -362,12 +362,12 @@ def section_draft(args, model, out: dict) -> None:
         for vd in args.draft_vocab:
             vd = str(vd)
             draft = eagle3_draft(model, min(int(vd), V))
-            held.enter_context(weight_layout(draft, args.weight_layout))  # as the verifier's
             w = draft.fc.weight
             h = torch.randn(1, 1, draft.config.hidden_size, generator=g).to(device=device, dtype=w.dtype)
             # the same draft with int8 weights (W8A16, --draft-precision int8) where asked
             variants = {vd: draft, **({f"{vd}-int8": quantize_draft(draft, "int8")} if args.draft_int8 else {})}
             for name, d in variants.items():
+                held.enter_context(weight_layout(d, args.weight_layout))  # as the verifier's (as the bench does)
                 for compiled in (False, True) if args.compile else (False,):
                     proposers[name + ("-compiled" if compiled else "")] = (ready(d, compiled), h)
         # the old step on the first vocabulary's draft, from the same cached context

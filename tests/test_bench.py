@@ -208,6 +208,34 @@ def test_tiny_run_with_switched_linears_is_lossless_and_puts_the_modules_back(ti
     assert all(type(m) is torch.nn.Linear for m in tiny.modules() if isinstance(m, torch.nn.Linear))
 
 
+def test_int8_eagle3_draft_in_the_cpp_layout_runs_the_int8_kernel_and_stays_lossless(tiny, tmp_path, monkeypatch):
+    """--draft-precision int8 --weight-layout cpp: the int8 draft's step layers multiply through the
+    kernel's int8 form during the bench (counted), every row reproduces plain decoding, and the
+    draft's layers are ATen's int8 layers again after."""
+    from draft_factory import random_draft
+    from draftsmith.decoding.proposers import Eagle3Proposer
+    from draftsmith.models import cpu_linear
+    from draftsmith.models.quantize import Int8WeightLinear
+    from draftsmith.models.verifier import CppInt8WeightLinear
+
+    if not cpu_linear.available():
+        pytest.fail("the few-row kernel does not build here")
+    calls: list[tuple[torch.nn.Module, torch.Size]] = []
+    forward = CppInt8WeightLinear.forward
+    monkeypatch.setattr(CppInt8WeightLinear, "forward",
+                        lambda self, x: calls.append((self, x.shape)) or forward(self, x))
+    prop = Eagle3Proposer(random_draft(tiny, vd=64, aux_layer_ids=[0, 1, 1]))
+    cfg = _cfg(tmp_path, num_draft_tokens=[2], weight_layout="cpp", draft_precision=["int8"],
+               draft_confidence=["off"])
+    report = benchmark(tiny, _prompts(2), {"eagle3:d": prop}, cfg, tmp_path, {"verifier": "tiny", "dataset": "synthetic"})
+    assert report["provenance"]["weight_layout"] == "cpp" and report["provenance"]["draft_precision"] == ["int8"]
+    assert [r["identical_output_rate"] for r in report["rows"]] == [1.0] * len(report["rows"])
+    layers = {id(m): m for m, _ in calls}
+    assert len(layers) == 8  # the int8 draft's step layers: q, k, v, o, gate, up, down, lm_head
+    assert sum(shape[:-1].numel() <= cpu_linear.MAX_ROWS for _, shape in calls) > 8 * 4  # steps, not only prefills
+    assert all(type(m) is Int8WeightLinear for m in layers.values())  # put back after the bench
+
+
 def test_pick_layout_keeps_the_fastest_plain_step_and_breaks_ties_by_verify_cost():
     """--weight-layout auto: plain decoding (T(1)) is never made slower to flatter a draft; within the
     tie band the cheaper verify steps win; exact ties keep the loaded layout."""

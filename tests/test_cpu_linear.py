@@ -1,5 +1,5 @@
-"""draftsmith's few-row float32 CPU linear (``--weight-layout cpp``): its sums, its batch invariance,
-and the module that routes decode and verify steps to it."""
+"""draftsmith's few-row CPU linear (``--weight-layout cpp``), float32 and int8 weights: its sums, its
+batch invariance, and the modules that route decode and verify steps to it."""
 
 from __future__ import annotations
 
@@ -30,15 +30,45 @@ def test_small_linear_is_x_wt_plus_b_for_every_row_count(K, N):
             torch.testing.assert_close(got.double(), _exact(x, w, bias), atol=1e-5 * K ** 0.5 + 1e-6, rtol=1e-5)
 
 
-def test_small_linear_rows_are_batch_invariant():
+def _int8(N: int, K: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random int8 weights [N, K] (the full range, -128 included) and positive float32 scales [N]."""
+    return torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8), torch.rand(N, generator=g) / 64 + 1e-3
+
+
+@pytest.mark.parametrize("K", [1, 15, 16, 17, 33, 576])
+@pytest.mark.parametrize("N", [1, 7, 9, 65])
+def test_small_linear_i8_is_the_int8_product_rescaled(K, N):
+    """``(x @ q^T) * scale + b`` with int8 weights widened exactly: within float32 rounding of the
+    float64 product, over the same tails of K, partial blocks and row counts."""
+    g = torch.Generator().manual_seed(K * 100 + N)
+    q, scale = _int8(N, K, g)
+    b = torch.randn(N, generator=g)
+    for M in (1, 2, 3, 8, 9, 17):
+        x = torch.randn(M, K, generator=g)
+        for bias in (b, None):
+            got = cpu_linear.small_linear_i8(x, q, scale, bias)
+            assert got.shape == (M, N) and got.dtype == torch.float32
+            want = _exact(x, q.double() * scale.double()[:, None], bias)
+            torch.testing.assert_close(got.double(), want, atol=(1e-5 * K ** 0.5 + 1e-6) * 128 / 64, rtol=1e-5)
+
+
+@pytest.mark.parametrize("weights", ["float32", "int8"])
+def test_small_linear_rows_are_batch_invariant(weights):
     """A row's result is bitwise the same whether it is computed alone (a one-token step) or among
     others (a verify step), for every row count up to 17 and every row in it."""
     g = torch.Generator().manual_seed(0)
-    w, b = torch.randn(193, 577, generator=g), torch.randn(193, generator=g)
+    if weights == "int8":
+        q, scale = _int8(193, 577, g)
+        w = q.double() * scale.double()[:, None]  # for the control
+        op = lambda x_, b_: cpu_linear.small_linear_i8(x_, q, scale, b_)  # noqa: E731
+    else:
+        w = torch.randn(193, 577, generator=g)
+        op = lambda x_, b_: cpu_linear.small_linear(x_, w, b_)  # noqa: E731
+    b = torch.randn(193, generator=g)
     x = torch.randn(17, 577, generator=g)
-    alone = torch.cat([cpu_linear.small_linear(x[i:i + 1], w, b) for i in range(17)])
+    alone = torch.cat([op(x[i:i + 1], b) for i in range(17)])
     for M in range(1, 18):
-        assert torch.equal(cpu_linear.small_linear(x[:M], w, b), alone[:M]), M
+        assert torch.equal(op(x[:M], b), alone[:M]), M
     # the control: a product summed in another order (float64, rounded) is not bitwise the same
     assert not torch.equal(_exact(x, w, b).float(), alone)
 
@@ -54,6 +84,14 @@ def test_small_linear_takes_any_leading_shape_and_strides():
         cpu_linear.small_linear(x.double(), w.double())
     with pytest.raises(RuntimeError, match="expected"):
         cpu_linear.small_linear(torch.randn(2, 39), w)
+    q, scale = _int8(24, 40, g)
+    assert torch.equal(cpu_linear.small_linear_i8(x, q, scale)[0], cpu_linear.small_linear_i8(x[0].contiguous(), q, scale))
+    with pytest.raises(RuntimeError, match="int8 w"):
+        cpu_linear.small_linear_i8(x, w, scale)
+    with pytest.raises(RuntimeError, match="scale"):
+        cpu_linear.small_linear_i8(x, q, scale[:-1])
+    with pytest.raises(RuntimeError, match="float32 w"):
+        cpu_linear.small_linear(x, q)
 
 
 def test_cpp_linear_routes_steps_to_the_kernel_and_a_prefill_to_mkl():
@@ -76,6 +114,35 @@ def test_cpp_linear_routes_steps_to_the_kernel_and_a_prefill_to_mkl():
         assert lin.to(torch.bfloat16)(xb).dtype == torch.bfloat16  # other dtypes: F.linear
         lin.float()
     assert type(lin) is torch.nn.Linear
+
+
+def test_cpp_layout_runs_an_int8_draft_layer_through_the_kernel():
+    """Inside ``--weight-layout cpp`` an int8 draft layer (``--draft-precision int8``) multiplies up to
+    MAX_ROWS float32 rows with the kernel's int8 form (bitwise), a prefill by the dequantized weight
+    (the same function, float32 rounding apart), bfloat16 rows with ATen's int8 kernel; it agrees
+    with the layer as loaded (bfloat16 activations) within their rounding, and is that layer again
+    after the block."""
+    from draftsmith.models.quantize import Int8WeightLinear
+    from draftsmith.models.verifier import CppInt8WeightLinear, weight_layout
+
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(64, 48, bias=True)
+    layer = Int8WeightLinear(lin)
+    seq = torch.nn.Sequential(layer)
+    x = torch.randn(1, cpu_linear.MAX_ROWS + 1, 64, generator=g)
+    with torch.inference_mode():
+        loaded = layer(x)  # ATen's _weight_int8pack_mm, bfloat16 activations
+        with weight_layout(seq, "cpp") as n:
+            assert n == 1 and type(layer) is CppInt8WeightLinear
+            for M in (1, 3, cpu_linear.MAX_ROWS):
+                got = layer(x[:, :M])
+                assert torch.equal(got, cpu_linear.small_linear_i8(x[:, :M], layer.qweight, layer.scale32, layer.bias))
+                torch.testing.assert_close(got, loaded[:, :M], atol=0.05, rtol=0.02)
+                assert not torch.equal(got, loaded[:, :M])  # the control: float32 activations are not bfloat16's
+            prefill = layer(x)
+            torch.testing.assert_close(prefill[:, :3], layer(x[:, :3]), atol=1e-5, rtol=1e-5)
+            assert torch.equal(layer(x[:, :2].bfloat16()), Int8WeightLinear.forward(layer, x[:, :2].bfloat16()))
+        assert type(layer) is Int8WeightLinear
 
 
 def test_cpp_layout_switches_only_float32_cpu_linears_and_refuses_without_the_kernel(monkeypatch):

@@ -303,6 +303,29 @@ def test_quantize_draft_int8_swaps_the_step_layers_and_keeps_the_original():
         quantize_draft(copy.deepcopy(d).to("meta"), "int8")
 
 
+@pytest.mark.parametrize("layout", ["onednn", "cpp"])
+def test_quantize_draft_inside_a_weight_layout_swaps_the_same_layers(layout):
+    """A draft already held in a layout (its Linears switched to a subclass) is quantized as a plain
+    one: every step layer int8, the copy's fc a plain Linear, the original's layout untouched."""
+    from draft_factory import random_draft
+    from draftsmith.models import cpu_linear
+    from draftsmith.models.verifier import CppLinear, OneDNNLinear, weight_layout
+
+    if layout == "cpp" and not cpu_linear.available():
+        pytest.fail("the few-row kernel does not build here")
+    d = random_draft(tiny_model("llama"), vd=64, aux_layer_ids=[0, 1, 1])
+    plain = quantize_draft(d, "int8")
+    cls = {"onednn": OneDNNLinear, "cpp": CppLinear}[layout]
+    with weight_layout(d, layout):
+        assert type(d.layers[0].mlp.up_proj) is cls
+        q = quantize_draft(d, "int8")
+        assert type(d.layers[0].mlp.up_proj) is cls  # the original stays in the block's layout
+    assert type(d.layers[0].mlp.up_proj) is torch.nn.Linear
+    kinds = {n: type(m) for n, m in q.named_modules() if isinstance(m, (torch.nn.Linear, Int8WeightLinear))}
+    assert kinds == {n: type(m) for n, m in plain.named_modules() if isinstance(m, (torch.nn.Linear, Int8WeightLinear))}
+    assert type(q.fc) is torch.nn.Linear and sum(t is Int8WeightLinear for t in kinds.values()) == 8
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_an_int8_draft_proposes_from_other_logits(arch):
     """Not the float draft under another name: its logits move by the int8 rounding, a little.

@@ -12,12 +12,18 @@
 // (Written first for the SPR's compiled verify steps, where it lost to inductor's GEMM template:
 // BENCHMARKS.md 9t; the eager steps use it since 15g.)
 //
+// The same loop reads int8 weights (one float32 scale per output row; `small_linear_i8`, the int8
+// draft of `--draft-precision int8`): 16 weights are widened to floats in registers, so a step
+// reads a quarter of the bytes and the activations stay float32 (W8A32).
+//
 // Every y[i, n] is the same sum in the same order (lane j holds k = j mod 16, the tree adds
 // the lanes in a fixed order, the bias last) whatever m is and whichever tile row i sits in,
 // so a verify step's rows are bitwise those of one-token steps over the same inputs.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -36,19 +42,46 @@ static_assert(kRowBlock * kTile == 16, "one hsum16 per block and tile");
 // Bytes ahead of each W stream prefetched into L2 (none: a verify of 2 rows 1.25x one row, 512: 1.05-1.11x).
 constexpr int64_t kPrefetch = 512;
 
-// The first `n` floats of p, the rest zero.
-inline v16f load_tail(const float* p, int64_t n) {
-  float buf[16] = {0.f};
-  std::memcpy(buf, p, n * sizeof(float));
-  return load16(buf);
+typedef int8_t v16c __attribute__((vector_size(16)));
+
+// 16 weights as floats: float32 as they are, int8 widened (sign-extended, converted exactly).
+inline v16f loadw(const float* p) { return load16(p); }
+inline v16f loadw(const int8_t* p) {
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  v16f v;
+  std::memcpy(&v, &f, sizeof v);
+  return v;
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+  v16f v;
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+  return v;
+#else
+  v16c c;
+  std::memcpy(&c, p, sizeof c);
+  return __builtin_convertvector(c, v16f);
+#endif
+}
+
+// The first `n` values of p as floats, the rest zero.
+template <typename W>
+inline v16f load_tail(const W* p, int64_t n) {
+  W buf[16] = {};
+  std::memcpy(buf, p, n * sizeof(W));
+  return loadw(buf);
 }
 
 // y[t, n0 + r] for r < R (R <= kRowBlock) and the x rows xr[t], t < T; rows of W past R are
 // computed on a repeat of the last valid one and never stored, and so are tile rows past `stored`.
-template <int T>
-inline void block_tile(const float* const* xr, int stored, const float* w, int64_t K, int64_t R, const float* bias,
-                       float* y, int64_t ldy) {
-  const float* wr[kRowBlock];
+// A sum is multiplied by its row's `scale` (int8 weights) before the bias is added.
+template <int T, typename W>
+inline void block_tile(const float* const* xr, int stored, const W* w, int64_t K, int64_t R, const float* scale,
+                       const float* bias, float* y, int64_t ldy) {
+  const W* wr[kRowBlock];
   for (int64_t r = 0; r < kRowBlock; ++r) wr[r] = w + std::min(r, R - 1) * K;
   v16f acc[16];
   for (int j = 0; j < 16; ++j) acc[j] = v16f{};
@@ -57,7 +90,7 @@ inline void block_tile(const float* const* xr, int stored, const float* w, int64
     v16f wv[kRowBlock];
     for (int r = 0; r < kRowBlock; ++r) {
       __builtin_prefetch(reinterpret_cast<const char*>(wr[r] + k) + kPrefetch, 0, 2);
-      wv[r] = load16(wr[r] + k);
+      wv[r] = loadw(wr[r] + k);
     }
     for (int t = 0; t < T; ++t) {
       const v16f xv = load16(xr[t] + k);
@@ -74,59 +107,95 @@ inline void block_tile(const float* const* xr, int stored, const float* w, int64
   }
   const v16f s = hsum16(acc);  // lane t * kRowBlock + r: row t of the tile, output row r
   for (int t = 0; t < stored; ++t)
-    for (int64_t r = 0; r < R; ++r) y[t * ldy + r] = bias ? s[t * kRowBlock + r] + bias[r] : s[t * kRowBlock + r];
+    for (int64_t r = 0; r < R; ++r) {
+      const float v = scale ? s[t * kRowBlock + r] * scale[r] : s[t * kRowBlock + r];
+      y[t * ldy + r] = bias ? v + bias[r] : v;
+    }
 }
 
-void rows_block(const float* x, int64_t m, int64_t ldx, const float* w, int64_t K, int64_t R, const float* bias,
-                float* y, int64_t ldy) {
+template <typename W>
+void rows_block(const float* x, int64_t m, int64_t ldx, const W* w, int64_t K, int64_t R, const float* scale,
+                const float* bias, float* y, int64_t ldy) {
   for (int64_t i = 0; i < m; i += kTile) {
     const int left = static_cast<int>(std::min<int64_t>(kTile, m - i));
     const float* xr[kTile];
     for (int t = 0; t < kTile; ++t) xr[t] = x + (i + std::min(t, left - 1)) * ldx;
     float* yi = y + i * ldy;
-    if (left == 1) block_tile<1>(xr, 1, w, K, R, bias, yi, ldy);
-    else block_tile<kTile>(xr, left, w, K, R, bias, yi, ldy);
+    if (left == 1) block_tile<1>(xr, 1, w, K, R, scale, bias, yi, ldy);
+    else block_tile<kTile>(xr, left, w, K, R, scale, bias, yi, ldy);
   }
 }
 
-}  // namespace
-
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) {
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "small_linear: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "small_linear: float32 x and w");
-  TORCH_CHECK(x.dim() >= 1 && w.dim() == 2 && x.size(-1) == w.size(1),
-              "small_linear: x [..., K] and w [N, K] expected, got ", x.sizes(), " and ", w.sizes());
-  const at::Tensor xc = x.reshape({-1, w.size(1)}).contiguous();
-  const at::Tensor wc = w.contiguous();
-  at::Tensor bc;
-  if (b.has_value() && b->defined()) {
-    TORCH_CHECK(b->dim() == 1 && b->size(0) == w.size(0) && b->scalar_type() == at::kFloat, "small_linear: b [N]");
-    bc = b->contiguous();
-  }
-  const int64_t m = xc.size(0), K = xc.size(1), N = wc.size(0);
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  at::Tensor y = at::empty({m, N}, xc.options());
-  if (m == 0 || N == 0) return y.view(shape);
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = wc.data_ptr<float>();
-  const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
+// y [m, N] = x [m, K] w[N, K]^T (* scale[N]) (+ b[N]), output rows split across threads in blocks.
+template <typename W>
+void linear_rows(const float* xp, int64_t m, int64_t K, const W* wp, int64_t N, const float* sp, const float* bp,
+                 float* yp) {
   const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
-  // ~64 KB of W per task at least: a small projection stays on one thread
+  // ~64 KB of float32 W per task at least (as many rows of int8): a small projection stays on one thread
   const int64_t grain = std::max<int64_t>(1, (16384 / std::max<int64_t>(K, 1)) / kRowBlock);
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t n0 = blk * kRowBlock;
       const int64_t R = std::min(kRowBlock, N - n0);
-      rows_block(xp, m, K, wp + n0 * K, K, R, bp ? bp + n0 : nullptr, yp + n0, N);
+      rows_block(xp, m, K, wp + n0 * K, K, R, sp ? sp + n0 : nullptr, bp ? bp + n0 : nullptr, yp + n0, N);
     }
   });
+}
+
+// x [..., K] as a contiguous float32 [m, K], after the checks every entry point shares.
+at::Tensor rows_of(const char* op, const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": float32 x");
+  TORCH_CHECK(x.dim() >= 1 && w.dim() == 2 && x.size(-1) == w.size(1),
+              op, ": x [..., K] and w [N, K] expected, got ", x.sizes(), " and ", w.sizes());
+  return x.reshape({-1, w.size(1)}).contiguous();
+}
+
+// A float32 [N] vector (a bias or a scale), contiguous, or undefined when absent.
+at::Tensor per_row(const char* op, const char* what, const c10::optional<at::Tensor>& v, int64_t N) {
+  if (!v.has_value() || !v->defined()) return at::Tensor();
+  TORCH_CHECK(v->dim() == 1 && v->size(0) == N && v->scalar_type() == at::kFloat && v->device().is_cpu(),
+              op, ": ", what, " [N] float32 expected");
+  return v->contiguous();
+}
+
+template <typename W>
+at::Tensor run(const at::Tensor& x, const at::Tensor& xc, const at::Tensor& w, const at::Tensor& sc,
+               const at::Tensor& bc) {
+  const at::Tensor wc = w.contiguous();
+  const int64_t m = xc.size(0), K = xc.size(1), N = wc.size(0);
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  at::Tensor y = at::empty({m, N}, xc.options());
+  if (m == 0 || N == 0) return y.view(shape);
+  linear_rows<W>(xc.data_ptr<float>(), m, K, wc.data_ptr<W>(), N, sc.defined() ? sc.data_ptr<float>() : nullptr,
+                 bc.defined() ? bc.data_ptr<float>() : nullptr, y.data_ptr<float>());
   return y.view(shape);
+}
+
+}  // namespace
+
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) {
+  const at::Tensor xc = rows_of("small_linear", x, w);
+  TORCH_CHECK(w.scalar_type() == at::kFloat, "small_linear: float32 w");
+  return run<float>(x, xc, w, at::Tensor(), per_row("small_linear", "b", b, w.size(0)));
+}
+
+at::Tensor small_linear_i8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                           const c10::optional<at::Tensor>& b) {
+  const at::Tensor xc = rows_of("small_linear_i8", x, w);
+  TORCH_CHECK(w.scalar_type() == at::kChar, "small_linear_i8: int8 w");
+  const at::Tensor sc = per_row("small_linear_i8", "scale", scale, w.size(0));
+  TORCH_CHECK(sc.defined(), "small_linear_i8: a scale is needed");
+  return run<int8_t>(x, xc, w, sc, per_row("small_linear_i8", "b", b, w.size(0)));
 }
 
 TORCH_LIBRARY_FRAGMENT(draftsmith, lib) {  // a fragment: other sources and Python register draftsmith:: ops too
   lib.def("small_linear(Tensor x, Tensor w, Tensor? b) -> Tensor");
+  lib.def("small_linear_i8(Tensor x, Tensor w, Tensor scale, Tensor? b) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(draftsmith, CPU, lib) { lib.impl("small_linear", &small_linear); }
+TORCH_LIBRARY_IMPL(draftsmith, CPU, lib) {
+  lib.impl("small_linear", &small_linear);
+  lib.impl("small_linear_i8", &small_linear_i8);
+}

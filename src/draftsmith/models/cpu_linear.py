@@ -58,3 +58,12 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     most :data:`MAX_ROWS`.
     """
     return torch.ops.draftsmith.small_linear(x, weight, bias)
+
+
+def small_linear_i8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``(x @ qweight.T) * scale + bias`` for float32 ``x [..., K]``, int8 ``qweight [N, K]`` and float32
+    ``scale [N]``, ``bias [N]`` (CPU): the int8 weights widened to float32 in registers, the sums in
+    float32 (W8A32), rows batch-invariant as in :func:`small_linear`. :func:`available` must have
+    returned True."""
+    return torch.ops.draftsmith.small_linear_i8(x, qweight, scale, bias)

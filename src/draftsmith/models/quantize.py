@@ -106,6 +106,7 @@ class Int8WeightLinear(torch.nn.Module):
         scale = w.abs().amax(-1).clamp_min(1e-12) / 127.0  # [N]
         self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))  # [N, K]
         self.register_buffer("scale", scale.to(torch.bfloat16))
+        self.register_buffer("scale32", scale)  # float32: the few-row kernel's (``--weight-layout cpp``)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().clone(),
                                                                          requires_grad=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -164,6 +165,13 @@ def quantize_draft(draft: torch.nn.Module, precision: str) -> torch.nn.Module:
         raise DraftsmithError(f"--draft-precision int8 runs on CPU (ATen's int8 weight-only kernel); the draft "
                               f"is on {device}, where it runs in the verifier's dtype")
     q = copy.deepcopy(draft)
+    # A draft inside a weight layout (``--weight-layout onednn`` / ``cpp``) holds its Linears as
+    # subclasses switched in place for the block; its copy gets plain Linears (the block puts
+    # back only the original's), and each is quantized as a plain one would be. Swapping only
+    # ``type is nn.Linear`` here once left such a draft's decoder layer in float32 unnoticed.
+    for mod in q.modules():
+        if isinstance(mod, torch.nn.Linear) and type(mod) is not torch.nn.Linear:
+            mod.__class__ = torch.nn.Linear
     n = _swap_linears(q.layers, Int8WeightLinear, int8_weight_only_usable)
     if int8_weight_only_usable(q.lm_head):
         q.lm_head = Int8WeightLinear(q.lm_head)

@@ -21,6 +21,7 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.cpu_linear import MAX_ROWS as _CPP_MAX_ROWS
+from draftsmith.models.quantize import Int8WeightLinear
 from draftsmith.utils import atomic_dir, cache_dir, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -254,15 +255,17 @@ def weights_in_out(model: torch.nn.Module, enabled: bool = True) -> Iterator[int
 
 
 @contextlib.contextmanager
-def _linears_as(mods: list[torch.nn.Linear], cls: type) -> Iterator[int]:
-    """``mods`` switched to the ``nn.Linear`` subclass ``cls`` in place while the block runs, plain after."""
-    for mod in mods:
-        mod.__class__ = cls
+def _linears_as(mods: list[torch.nn.Module], cls: type | dict[type, type]) -> Iterator[int]:
+    """``mods`` switched in place to the subclass ``cls`` (or ``cls[type(mod)]``) of their class while
+    the block runs, back to their class after."""
+    was = [type(mod) for mod in mods]
+    for mod, c in zip(mods, was):
+        mod.__class__ = cls[c] if isinstance(cls, dict) else cls
     try:
         yield len(mods)
     finally:
-        for mod in mods:
-            mod.__class__ = torch.nn.Linear
+        for mod, c in zip(mods, was):
+            mod.__class__ = c
 
 
 @functools.lru_cache(maxsize=1)
@@ -337,6 +340,22 @@ class CppLinear(torch.nn.Linear):
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
+class CppInt8WeightLinear(Int8WeightLinear):
+    """An int8 draft layer (:class:`~draftsmith.models.quantize.Int8WeightLinear`) whose products of
+    up to :data:`~draftsmith.models.cpu_linear.MAX_ROWS` float32 rows run through the few-row kernel's
+    int8 form (``small_linear_i8``: the weights widened to float32 in registers, float32 activations
+    and scales, W8A32) instead of ATen's ``_weight_int8pack_mm`` (bfloat16 activations); longer
+    inputs (a prefill) multiply by the dequantized float32 weight, the same function up to float32
+    rounding. Compiled graphs keep ATen's kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype is not torch.float32 or torch.compiler.is_compiling():
+            return super().forward(x)
+        if 0 < x.numel() <= _CPP_MAX_ROWS * self.in_features:
+            return torch.ops.draftsmith.small_linear_i8(x, self.qweight, self.scale32, self.bias)
+        return torch.nn.functional.linear(x, self.qweight.float() * self.scale32[:, None], self.bias)
+
+
 @contextlib.contextmanager
 def linears_cpp(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
     """Multiply ``model``'s float32 Linear layers with draftsmith's few-row C++ kernel while the block
@@ -346,10 +365,12 @@ def linears_cpp(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
     its oneDNN cost with it and a 2-token verify ~1.05-1.1x a one-token step, and a row's result
     does not depend on how many rows the step has. The module class is swapped in place
     (to :class:`CppLinear`), as :func:`linears_onednn` does; against MKL or oneDNN results differ
-    by rounding, so a report states the layout it measured with. CPU only.
+    by rounding, so a report states the layout it measured with. An int8 draft's layers
+    (``--draft-precision int8``) switch to :class:`CppInt8WeightLinear`, the kernel's int8 form.
+    CPU only.
 
     Yields:
-        The number of Linear layers switched (0 when not ``enabled``, or no float32 Linear).
+        The number of layers switched (0 when not ``enabled``, or no float32 Linear or int8 layer).
 
     Raises:
         DraftsmithError: the model is not on the CPU, or the kernel cannot be built here.
@@ -363,13 +384,15 @@ def linears_cpp(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
                                           f"{mod.weight.device.type}")
                 if mod.weight.dtype is torch.float32:
                     mods.append(mod)
+            elif type(mod) is Int8WeightLinear:  # an int8 draft's layers (--draft-precision int8)
+                mods.append(mod)
     if mods:
         from draftsmith.models import cpu_linear
 
         if not cpu_linear.available():
             raise DraftsmithError("--weight-layout cpp: the C++ kernel could not be built here (a C++ compiler "
                                   "and ninja are needed; the warning above says why); use out-in or onednn")
-    with _linears_as(mods, CppLinear) as n:
+    with _linears_as(mods, {torch.nn.Linear: CppLinear, Int8WeightLinear: CppInt8WeightLinear}) as n:
         yield n
 
 
