@@ -15,7 +15,8 @@ what it compares (the order rotates), on one verifier (SmolLM2-135M float32 by d
 3. ``draft``: one cached EAGLE-3 draft step (random weights; draft vocab ``--draft-vocab``)
    against a verifier one-token step at the same context, and its share of the weights a
    verifier step reads (the floor a GEMV-bound step can reach). On CPU also the draft with
-   int8 weights (``--draft-precision int8``), and with ``--compile`` every row compiled
+   int8 weights (``--draft-precision int8``; in the cpp layout on the few-row kernel's int8 form and on
+   ATen's int8 kernel side by side), and with ``--compile`` every row compiled
    (compiled draft over compiled verifier). Target: <= 5%.
 4. ``rss``: peak RSS of a child process that decodes to ``--rss-context`` tokens of
    context, plainly and with an EAGLE-3 draft, lean vs hf-dynamic (and, with
@@ -39,6 +40,7 @@ On a GPU (bfloat16, a random 1B-shaped Llama, compiled vs eager)::
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -328,7 +330,7 @@ def old_draft_step(draft, input_ids, hidden, position_ids, cache: list) -> tuple
 
 def section_draft(args, model, out: dict) -> None:
     from draftsmith.decoding.proposers import Eagle3Proposer
-    from draftsmith.models.quantize import quantize_draft
+    from draftsmith.models.quantize import Int8WeightLinear, quantize_draft
     from draftsmith.models.verifier import weight_layout
     from draftsmith.decoding.runner import verifier_runner
     from draftsmith.decoding.sampling import SamplingParams
@@ -364,10 +366,15 @@ def section_draft(args, model, out: dict) -> None:
             draft = eagle3_draft(model, min(int(vd), V))
             w = draft.fc.weight
             h = torch.randn(1, 1, draft.config.hidden_size, generator=g).to(device=device, dtype=w.dtype)
-            # the same draft with int8 weights (W8A16, --draft-precision int8) where asked
+            # the same draft with int8 weights (--draft-precision int8) where asked; in the cpp layout its
+            # step layers run the few-row kernel's int8 form (W8A32), and "-int8-aten" times the same int8
+            # draft on ATen's _weight_int8pack_mm (W8A16, the other layouts' kernel) beside it
             variants = {vd: draft, **({f"{vd}-int8": quantize_draft(draft, "int8")} if args.draft_int8 else {})}
+            if args.draft_int8 and args.weight_layout == "cpp":
+                variants[f"{vd}-int8-aten"] = quantize_draft(draft, "int8")
             for name, d in variants.items():
-                held.enter_context(weight_layout(d, args.weight_layout))  # as the verifier's (as the bench does)
+                if not name.endswith("-aten"):
+                    held.enter_context(weight_layout(d, args.weight_layout))  # as the verifier's (as the bench does)
                 for compiled in (False, True) if args.compile else (False,):
                     proposers[name + ("-compiled" if compiled else "")] = (ready(d, compiled), h)
         # the old step on the first vocabulary's draft, from the same cached context
@@ -376,6 +383,10 @@ def section_draft(args, model, out: dict) -> None:
         old_cache: list = [None, None]
         old_draft_step(old_prop.draft, ctx[None], torch.randn(1, C, old_h.shape[-1], generator=g).to(old_h),
                        torch.arange(1, C + 1, device=device)[None], old_cache)
+        # what each draft's projections multiply with (class name -> count), read inside the layouts
+        res["layer_kinds"] = {f"draft-{name}": dict(collections.Counter(
+            type(m).__name__ for m in p.draft.modules() if isinstance(m, (torch.nn.Linear, Int8WeightLinear))))
+            for name, (p, _) in proposers.items()}
         names = [*verifiers, *(f"draft-{vd}" for vd in proposers), f"draft-{old_vd}-before-issue-20"]
         # per rep: a verifier step's time, or a draft chain's step times (a round drafts k in a row)
         times: dict[str, list[list[float]]] = {n: [] for n in names}
