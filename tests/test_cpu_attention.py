@@ -1,4 +1,5 @@
-"""The CPU decode-attention kernel of the compiled steps (models/cpu_attention.py) against SDPA."""
+"""The CPU decode-attention kernel (models/cpu_attention.py) against SDPA: compiled steps' static caches,
+and eager steps' caches inside ``--weight-layout cpp`` (``kv.eager_cpu_attention``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.models import cpu_attention
-from draftsmith.models.kv import KVCache
+from draftsmith.models.kv import EAGER_KERNEL_MAX_ROWS, KVCache, eager_cpu_attention
 
 
 def _reference(q, K, V, pos, window, scale):
@@ -61,8 +62,10 @@ def test_kernel_equals_sdpa(dtype, heads, window):
 
 @pytest.mark.parametrize("window", [0, 6])
 def test_kernel_reads_no_slot_outside_the_queries_ranges(window):
-    """Slots past the last query's position (empty or stale in a static cache) and before the window of
-    the first are never read: NaN there changes nothing. SDPA over all slots would read them."""
+    """Slots past the last query's position (empty or stale in a static cache) and before the 16-slot
+    block where the first query's window starts are never read: NaN there changes nothing. SDPA over all
+    slots would read them. (Within that block the kernel reads K/V of earlier positions of the
+    sequence, valid values, and weighs them 0.)"""
     assert cpu_attention.available()
     g = torch.Generator().manual_seed(window)
     nh, nkv, hd, S, m, first = 6, 2, 64, 80, 3, 40
@@ -71,7 +74,7 @@ def test_kernel_reads_no_slot_outside_the_queries_ranges(window):
     pos = torch.arange(first, first + m)
     want = _op(q, K, V, pos, window, 0.2, 16)
     Kn, Vn = K.clone(), V.clone()
-    lo = first - window + 1 if window else 0
+    lo = (first - window + 1) // 16 * 16 if window else 0
     for t in (Kn, Vn):
         t[:, :, first + m:] = float("nan")
         t[:, :, :lo] = float("nan")
@@ -81,6 +84,80 @@ def test_kernel_reads_no_slot_outside_the_queries_ranges(window):
     # negative control: a NaN inside the range does show
     Kn[:, :, first] = float("nan")
     assert torch.isnan(_op(q, Kn, Vn, pos, window, 0.2, 16)).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (6, 2, 24)])  # 24: the scalar path
+@pytest.mark.parametrize("window", [0, 37])
+def test_a_querys_result_does_not_depend_on_the_others_in_its_call(dtype, heads, window):
+    """Every row of a call of m queries (a verify step) is bitwise the row the query gets alone (a
+    one-token step), across chunk borders and windows: the chunks split at absolute slots. With
+    chunks split where the call's first slot is (the kernel before), a window's rows were not."""
+    nh, nkv, hd = heads
+    g = torch.Generator().manual_seed(hd + window)
+    S = 700
+    K = torch.randn(1, nkv, S, hd, generator=g).to(dtype)
+    V = torch.randn(1, nkv, S, hd, generator=g).to(dtype)
+    rows = {}
+    for first, m in [(0, 1), (250, 9), (300, 16), (505, 12), (S - 7, 7)]:
+        q = torch.randn(1, nh, m, hd, generator=g).to(dtype)
+        pos = torch.arange(first, first + m)
+        together = _op(q, K, V, pos, window, 0.125, 256)
+        alone = torch.cat([_op(q[:, :, j:j + 1], K, V, pos[j:j + 1], window, 0.125, 256) for j in range(m)], 2)
+        assert torch.equal(together, alone), (first, m)
+        rows[first] = (q, pos, together)
+    # the control: rows whose slots cross a split (256) summed under another split (100) are not bitwise
+    # the same (float32 outputs: bfloat16's rounding of the output can hide the difference)
+    q, pos, together = rows[250]
+    other = _op(q.float(), K.float(), V.float(), pos, window, 0.125, 100)
+    assert not torch.equal(other, _op(q.float(), K.float(), V.float(), pos, window, 0.125, 256))
+
+
+def test_eager_cache_attends_through_the_kernel_inside_the_block_only():
+    """Inside ``eager_cpu_attention`` an eager decode or verify forward (1..EAGER_KERNEL_MAX_ROWS queries
+    after the prompt) attends through the kernel, equal to SDPA within float32 rounding; a prefill,
+    longer forwards, and everything outside the block (or inside an inner ``enabled=False``) take SDPA."""
+    calls = []
+    real = torch.ops.draftsmith.decode_attention
+
+    def spy(*a):
+        calls.append(a[0].shape[2])
+        return real(*a)
+
+    g = torch.Generator().manual_seed(5)
+    caches = {name: KVCache(2, 2, 64, 80, torch.float32, "cpu", [None, 9]) for name in ("kernel", "sdpa")}
+    outs: dict[str, list[torch.Tensor]] = {name: [] for name in caches}
+    for name, c in caches.items():
+        g.manual_seed(5)
+        with eager_cpu_attention(name == "kernel"):
+            for m in (20, 1, 3, EAGER_KERNEL_MAX_ROWS, EAGER_KERNEL_MAX_ROWS + 1, 1):
+                pos = torch.arange(c.length, c.length + m)
+                for i in range(2):
+                    q = torch.randn(1, 6, m, 64, generator=g)
+                    k, v = torch.randn(1, 2, m, 64, generator=g), torch.randn(1, 2, m, 64, generator=g)
+                    torch.ops.draftsmith.decode_attention = spy if name == "kernel" else real
+                    try:
+                        outs[name].append(c.attend(i, q, k, v, pos, 0.125))
+                    finally:
+                        torch.ops.draftsmith.decode_attention = real
+                c.advance(m)
+    assert calls == [1, 1, 3, 3, EAGER_KERNEL_MAX_ROWS, EAGER_KERNEL_MAX_ROWS, 1, 1]  # not the prefill nor 17
+    for a, b in zip(outs["kernel"], outs["sdpa"]):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=2e-6)
+    assert not all(torch.equal(a, b) for a, b in zip(outs["kernel"], outs["sdpa"]))  # the control: another kernel
+    c = KVCache(1, 2, 64, 8, torch.float32, "cpu")
+    c.attend(0, torch.randn(1, 2, 2, 64), torch.randn(1, 2, 2, 64), torch.randn(1, 2, 2, 64), torch.arange(2), 1.0)
+    c.advance(2)
+    with eager_cpu_attention(), eager_cpu_attention(False):  # the inner block decides
+        torch.ops.draftsmith.decode_attention = spy
+        try:
+            c.attend(0, torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64),
+                     torch.tensor([2]), 1.0)
+        finally:
+            torch.ops.draftsmith.decode_attention = real
+    assert len(calls) == 8
+    half = KVCache(1, 2, 64, 8, torch.float16, "cpu")
+    assert not half.eager_kernel and c.eager_kernel
 
 
 def test_kernel_rejects_bad_input():

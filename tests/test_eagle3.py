@@ -119,6 +119,40 @@ def test_greedy_equivalence_eagle3(arch, vd, precision):
             assert out.stats["drafts"] > 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3"])  # mistral, gemma3: sliding windows of 8
+def test_greedy_equivalence_eagle3_in_the_cpp_layout(arch, monkeypatch):
+    """Inside --weight-layout cpp (few-row Linear kernels, float32 and the int8 draft's; the eager steps'
+    attention through the C++ kernel, windows included) speculative output still equals plain
+    decoding in the same layout, which stays within the loaded model's greedy tokens here."""
+    from draftsmith.models import cpu_linear
+    from draftsmith.models.quantize import quantize_draft
+    from draftsmith.models.verifier import weight_layouts
+
+    from draftsmith.models import cpu_attention
+
+    if not (cpu_linear.available() and cpu_attention.available()):
+        pytest.fail("the C++ kernels do not build here")
+    verifier = tiny_model(arch)
+    d = _draft(verifier, vd=64)
+    d.config.aux_layer_ids = [0, 1, 2]
+    drafts = [d, quantize_draft(d, "int8")]
+    real, calls = torch.ops.draftsmith.decode_attention, []
+    monkeypatch.setattr(torch.ops.draftsmith, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    prompt = torch.randint(2, 128, (10,), generator=torch.Generator().manual_seed(0)).tolist()
+    loaded = generate(verifier, prompt, max_new_tokens=30, eos_token_id=[]).token_ids
+    assert not calls  # outside the layout: SDPA
+    with weight_layouts([verifier, *drafts], "cpp"):
+        plain = generate(verifier, prompt, max_new_tokens=30, eos_token_id=[]).token_ids
+        assert calls and plain == loaded
+        for draft in drafts:
+            prop = Eagle3Proposer(draft)
+            for k in (1, 4):
+                out = generate(verifier, prompt, proposer=prop, max_new_tokens=30, num_draft_tokens=k,
+                               eos_token_id=[])
+                assert out.token_ids == plain, (type(draft.lm_head).__name__, k)
+                assert out.stats["drafts"] > 0
+
+
 def test_set_vocab_offsets():
     d = _draft(tiny_model("llama"), vd=4)
     d.set_vocab(torch.tensor([3, 10, 11, 100]))

@@ -227,8 +227,13 @@ void run(const at::Tensor& q, const at::Tensor& K, const at::Tensor& V, const in
   const int nkv = K.size(1);
   const int64_t S = K.size(2);
   const int rep = nh / nkv, R = rep * m;
-  const int64_t LO = *std::min_element(lo, lo + m), HI = *std::max_element(hi, hi + m) + 1;
-  const int64_t nchunks = std::max<int64_t>(1, (HI - LO + chunk - 1) / chunk);
+  // Chunks split at absolute multiples of `chunk` (the first starts at the lowest slot read, rounded
+  // down to 16), so a query's slots fall in the same chunks, and its 16-slot blocks in the same
+  // lanes, whatever other queries share the call: its result is bitwise what it gets alone (the
+  // rows a verify step attends are one-token steps' rows), windows included.
+  const int64_t LO = *std::min_element(lo, lo + m) / 16 * 16, HI = *std::max_element(hi, hi + m) + 1;
+  const int64_t CS = LO / chunk * chunk;  // the first chunk's split point (<= LO)
+  const int64_t nchunks = std::max<int64_t>(1, (HI - CS + chunk - 1) / chunk);
   // queries as float, pre-scaled: [nkv][R][hd], row r = query head (h*rep + r/m), query j = r%m
   std::vector<float> qs(static_cast<size_t>(nkv) * R * hd);
   const at::Tensor qc = q.to(at::kFloat).contiguous();
@@ -250,7 +255,7 @@ void run(const at::Tensor& q, const at::Tensor& K, const at::Tensor& V, const in
     std::vector<float> scratch(static_cast<size_t>(R) * ((chunk + 15) / 16 * 16));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / nchunks, c = task % nchunks;
-      const int64_t c0 = LO + c * chunk, c1 = std::min(HI, c0 + chunk);
+      const int64_t c0 = std::max(LO, CS + c * chunk), c1 = std::min(HI, CS + (c + 1) * chunk);
       if constexpr (HD > 0 && HD % 16 == 0)
         attend_chunk_vec<T, HD>(qs.data() + h * R * hd, R, m, Kp + h * S * hd, Vp + h * S * hd, lo, hi, c0, c1,
                                 smax.data() + task * R, ssum.data() + task * R, acc.data() + task * R * hd,

@@ -34,13 +34,39 @@ calls per layer instead of one.
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models import cpu_attention
+
+
+#: Queries of an eager forward up to which :func:`eager_cpu_attention` attends through the C++ kernel
+#: (a decode or verify step); a longer forward (a prefill) keeps SDPA's causal kernel.
+EAGER_KERNEL_MAX_ROWS = 16
+
+_eager_kernel: list[bool] = []  # the innermost eager_cpu_attention block's setting
+
+
+@contextlib.contextmanager
+def eager_cpu_attention(enabled: bool = True) -> Iterator[None]:
+    """While the block runs, eager (not static) decode and verify forwards of up to
+    :data:`EAGER_KERNEL_MAX_ROWS` queries on a CPU cache (float32 or bfloat16) attend through
+    :mod:`~draftsmith.models.cpu_attention`'s kernel instead of SDPA over the prefix view: it reads
+    each query's slots once at memory speed, where SDPA's one-query kernel made a SmolLM2-135M
+    eager step at 1024 cached tokens 1.22x one at 128 (BENCHMARKS.md 15h). Entered by
+    ``--weight-layout cpp`` (:func:`draftsmith.models.verifier.linears_cpp`) for every cache of the
+    process; the innermost block decides (``enabled=False`` inside turns it off). Results differ from SDPA's by float32 rounding, so the lean eager step is then
+    not bitwise transformers' forward (whose attention stays SDPA); a query's result does not
+    depend on the other queries of its forward (tested), so verify rows are one-token steps' rows."""
+    _eager_kernel.append(bool(enabled))
+    try:
+        yield
+    finally:
+        _eager_kernel.pop()
 
 
 def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -83,6 +109,7 @@ class KVCache:
         self._static = False
         self.per_query = per_query
         self._cpu_kernel: bool | None = None
+        self._eager_kernel: bool | None = None
         self._masks: dict[tuple, torch.Tensor] = {}
 
     @property
@@ -158,7 +185,20 @@ class KVCache:
         V[:, :, start:start + m] = v
         if self.per_query and m > 1 and start > 0:
             return torch.cat([self._read(i, q[:, :, j:j + 1], start + j, scale) for j in range(m)], 2)
+        if _eager_kernel and _eager_kernel[-1] and m <= EAGER_KERNEL_MAX_ROWS and (start > 0 or m == 1) \
+                and self.eager_kernel:
+            return cpu_attention.decode_attention(q, K, V, pos, self.windows[i] or 0, scale)
         return self._read(i, q, start, scale)
+
+    @property
+    def eager_kernel(self) -> bool:
+        """Whether this cache can attend through the C++ kernel in eager mode (CPU, float32 or
+        bfloat16 buffers, the kernel built); resolved on first use inside :func:`eager_cpu_attention`."""
+        if self._eager_kernel is None:
+            K = self.keys[0]
+            self._eager_kernel = (K.device.type == "cpu" and K.dtype in (torch.float32, torch.bfloat16)
+                                  and cpu_attention.available())
+        return self._eager_kernel
 
     def write_static(self, i: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Static mode's write: layer ``i``'s new keys/values at slots ``pos`` (a tensor, no host read);

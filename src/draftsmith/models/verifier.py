@@ -392,7 +392,10 @@ def linears_cpp(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
         if not cpu_linear.available():
             raise DraftsmithError("--weight-layout cpp: the C++ kernel could not be built here (a C++ compiler "
                                   "and ninja are needed; the warning above says why); use out-in or onednn")
-    with _linears_as(mods, {torch.nn.Linear: CppLinear, Int8WeightLinear: CppInt8WeightLinear}) as n:
+    from draftsmith.models.kv import eager_cpu_attention
+
+    with _linears_as(mods, {torch.nn.Linear: CppLinear, Int8WeightLinear: CppInt8WeightLinear}) as n, \
+            eager_cpu_attention(True) if n else contextlib.nullcontext():
         yield n
 
 
