@@ -5,7 +5,7 @@ its weight bytes are the same. The kernel was written to read each weight row on
 rows of a verify (8 output rows per block, 2 rows of x per tile, prefetched streams; each output
 the same sum in the same order whatever the number of rows). It was not adopted for compiled
 steps (9t); since 15g it is the eager steps' ``--weight-layout cpp`` (``draftsmith.models.cpu_linear``,
-``src/draftsmith/models/cpu_linear.cpp``), and this script measures that op. Two sections, rows
+``src/draftsmith/models/cpu_linear.cpp``), and this script measures that op. Sections, rows
 interleaved per repeat, medians:
 
 - ``gemm``: the 211 GEMMs of a SmolLM2-135M step (538 MB of float32 weights streamed from memory)
@@ -15,6 +15,9 @@ interleaved per repeat, medians:
   step, for the engine's C++ GEMM template tier, ATen (MKL, inductor without freezing) and the
   kernel (inductor without freezing, every plain Linear through the kernel); and whether a verify
   of 3 tokens gives bitwise the logits of 3 one-token steps.
+- ``int8`` (not in the default set; since 15h): the 8 GEMMs of an int8 EAGLE-3 draft step, ATen's
+  ``_weight_int8pack_mm`` vs the kernel's int8 form (``small_linear_i8``) vs the float32 kernel, warm
+  and after a sweep of memory.
 
     PYTHONPATH=src python benchmarks/few_row_linear.py --threads 2 --out benchmarks/results/few-row-linear-spr.json
 """
@@ -85,6 +88,44 @@ def gemm_section(rows: list[int], repeats: int) -> dict:
               flush=True)
     print(f"[gemm] kernel rows bitwise independent of the row count: {invariant}; max |err| vs float64 {max_err:.2e}")
     return {"ms": ms, "rows_bitwise_invariant": invariant, "max_abs_error_vs_float64": max_err}
+
+
+def int8_section(rows: list[int], repeats: int, vocab: int = 8192) -> dict:
+    """The 8 GEMMs of an EAGLE-3 draft step (SmolLM2-135M shapes, draft vocabulary ``vocab``) with int8
+    weights: ATen's ``_weight_int8pack_mm`` (bfloat16 activations, the int8 draft in the other layouts)
+    against the kernel's int8 form ``small_linear_i8`` (float32 activations, the cpp layout's) and the
+    float32 kernel on the same shapes; warm (the weights just read) and cold (after a 128 MB sweep,
+    as a draft step after a verifier step finds them)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(H, 2 * H), (KV, 2 * H), (KV, 2 * H), (H, H), (INTER, H), (INTER, H), (H, INTER), (vocab, H)]
+    w32 = [torch.randn(n, k, generator=g) * 0.02 for n, k in shapes]
+    scales = [w.abs().amax(-1) / 127 for w in w32]
+    q8 = [torch.round(w / s[:, None]).to(torch.int8) for w, s in zip(w32, scales)]
+    scales16 = [s.to(torch.bfloat16) for s in scales]
+    sweep = torch.empty(32 * 1024 * 1024)
+    fns = {
+        "int8pack": lambda xs: [torch._weight_int8pack_mm(x.to(torch.bfloat16), q, s) for x, q, s in zip(xs, q8, scales16)],
+        "kernel-int8": lambda xs: [torch.ops.draftsmith.small_linear_i8(x, q, s, None) for x, q, s in zip(xs, q8, scales)],
+        "kernel-fp32": lambda xs: [torch.ops.draftsmith.small_linear(x, w, None) for x, w in zip(xs, w32)],
+    }
+    seen: dict = {}
+    names = list(fns)
+    for rep in range(repeats + 1):
+        for m in rows:
+            xs = [torch.randn(m, k, generator=g) for _, k in shapes]
+            for cold in (False, True):
+                for name in names[rep % len(names):] + names[:rep % len(names)]:
+                    if cold:
+                        sweep.add_(1.0)
+                    t = time.perf_counter()
+                    fns[name](xs)
+                    if rep:
+                        key = f"{name}-{'cold' if cold else 'warm'}"
+                        seen.setdefault(key, {}).setdefault(m, []).append(1e3 * (time.perf_counter() - t))
+    ms = {name: {m: statistics.median(v) for m, v in per.items()} for name, per in seen.items()}
+    for name, per in ms.items():
+        print(f"[int8 {name:17s}] " + "  ".join(f"{m} rows {t:.3f} ms" for m, t in per.items()), flush=True)
+    return {"ms": ms, "draft_vocab": vocab, "int8_bytes": sum(q.numel() for q in q8)}
 
 
 @contextlib.contextmanager
@@ -171,7 +212,7 @@ def steps_section(verifier: str, tokens: list[int], context: int, repeats: int) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sections", nargs="+", choices=["gemm", "steps"], default=["gemm", "steps"])
+    ap.add_argument("--sections", nargs="+", choices=["gemm", "steps", "int8"], default=["gemm", "steps"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4])
@@ -193,6 +234,8 @@ def main() -> None:
         out["gemm"] = gemm_section(args.rows, args.repeats)
     if "steps" in args.sections:
         out["steps"] = steps_section(args.verifier, args.tokens, args.context, args.repeats)
+    if "int8" in args.sections:
+        out["int8"] = int8_section(args.rows, args.repeats)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=1))

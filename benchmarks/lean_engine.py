@@ -10,7 +10,8 @@ what it compares (the order rotates), on one verifier (SmolLM2-135M float32 by d
    Target: ours / generate >= 1.25, every output identical.
 2. ``context``: a one-token verifier step at C cached tokens for C in ``--contexts``,
    lean vs hf-dynamic (the curve); with ``--compile`` the compiled step with each context's cache
-   sized to it and sized to the largest context (``--context-capacity``). Target: lean step at
+   sized to it and sized to the largest context (``--context-capacity``); with ``--weight-layout cpp``
+   also the eager step with its attention on SDPA (``lean-sdpa``; cpp's is the C++ kernel). Target: lean step at
    1024 within 10% of the one at 128.
 3. ``draft``: one cached EAGLE-3 draft step (random weights; draft vocab ``--draft-vocab``)
    against a verifier one-token step at the same context, and its share of the weights a
@@ -223,7 +224,11 @@ def section_context(args, model, out: dict) -> None:
     device = next(model.parameters()).device
     V = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
+    from draftsmith.models.kv import eager_cpu_attention
+
     paths = ["lean", "hf-dynamic"]
+    if args.weight_layout == "cpp":  # the eager steps' attention through the C++ kernel, and on SDPA beside it
+        paths.insert(1, "lean-sdpa")
     if args.compile:
         paths += [p for p, mode in (("lean-compiled", "per-point"), ("lean-compiled-shared", "shared"))
                   if mode in args.context_capacity]
@@ -248,10 +253,11 @@ def section_context(args, model, out: dict) -> None:
             shift = rep % len(keys)
             for key in keys[shift:] + keys[:shift]:
                 r = runners[key]
-                sync(device)
-                t0 = time.perf_counter()
-                r.forward(tok, 1)
-                sync(device)
+                with eager_cpu_attention(False) if key[0] == "lean-sdpa" else contextlib.nullcontext():
+                    sync(device)
+                    t0 = time.perf_counter()
+                    r.forward(tok, 1)
+                    sync(device)
                 if rep >= 2:
                     times[key].append(time.perf_counter() - t0)
                 r.rollback(key[1])

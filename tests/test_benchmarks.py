@@ -97,16 +97,20 @@ def test_lean_engine_runs_its_sections_on_a_tiny_verifier(tmp_path):
 
 
 def test_lean_engine_draft_section_in_the_cpp_layout_times_both_int8_kernels(tmp_path):
-    """In the cpp layout the int8 draft's step layers are the kernel's int8 form, and the same int8
+    """In the cpp layout the context curve has the eager step's attention on the C++ kernel and on SDPA
+    side by side; the int8 draft's step layers are the kernel's int8 form, and the same int8
     draft on ATen's kernel is timed beside it; the float draft's Linears are the kernel's too. (A draft
     quantized after its layout was entered once kept its decoder layer in float32: the layer counts
     would show it.)"""
     out = tmp_path / "lean.json"
     r = subprocess.run([sys.executable, "benchmarks/lean_engine.py", "--verifier", "random-tiny", "--sections", "draft",
-                        "--weight-layout", "cpp", "--step-repeats", "3", "--threads", "1", "--out", str(out)],
+                        "context", "--contexts", "16", "32", "--weight-layout", "cpp", "--step-repeats", "3",
+                        "--threads", "1", "--out", str(out)],
                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    kinds = json.loads(out.read_text())["draft"]["layer_kinds"]
+    res = json.loads(out.read_text())
+    assert set(res["context"]["median_ms"]) == {"lean", "lean-sdpa", "hf-dynamic"}  # cpp's attention, and SDPA's
+    kinds = res["draft"]["layer_kinds"]
     assert kinds["draft-8192"] == {"CppLinear": 9}
     assert kinds["draft-8192-int8"] == {"CppLinear": 1, "CppInt8WeightLinear": 8}
     assert kinds["draft-8192-int8-aten"] == {"Linear": 1, "Int8WeightLinear": 8}

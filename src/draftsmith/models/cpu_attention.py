@@ -1,4 +1,4 @@
-"""Decode-time attention over the static KV cache on the CPU: a C++ kernel as a custom op.
+"""Decode-time attention over the KV cache on the CPU: a C++ kernel as a custom op.
 
 A compiled step (``--compile``) attends over its static cache (:class:`~draftsmith.models.kv.KVCache`,
 static mode). Through SDPA under a position mask, it reads all S slots of the cache's bucket
@@ -7,6 +7,11 @@ step at 1024 cached tokens 1.19-1.24x one at 128). :func:`decode_attention` read
 slots each query sees (``[pos - W + 1, pos]``, or ``[0, pos]``), the query heads of one KV head
 together, split into (KV head, chunk of slots) tasks over the threads and combined by their
 softmax maxima; float32 inside, K/V float32 or bfloat16 (``cpu_attention.cpp``).
+
+The eager steps of ``--weight-layout cpp`` use it too (:func:`draftsmith.models.kv.eager_cpu_attention`):
+SDPA's one-query kernel made an eager SmolLM2-135M step at 1024 cached tokens 1.22x one at 128,
+the kernel 1.11x (BENCHMARKS.md 15h). Its work is split at absolute slot multiples, so a query's
+result does not depend on the other queries of its call (a verify step's rows are one-token steps').
 
 It is a ``torch.library`` custom op, so ``torch.compile`` calls it as one opaque kernel.
 The extension is built on first use (:func:`draftsmith.models.cpp_ops.build`). Where it cannot be built, or with

@@ -15,6 +15,8 @@ Two ways to read the cache, same buffers:
 
 - eager (default): attend over the prefix view ``[lo, T+m)`` (``lo`` > 0 only for a
   sliding window), so a step costs what its context holds; a one-token step needs no mask.
+  Inside :func:`eager_cpu_attention` (``--weight-layout cpp``) a CPU cache's decode and verify
+  forwards attend through :mod:`draftsmith.models.cpu_attention`'s kernel instead of SDPA.
 - static (``static=True``, for ``torch.compile`` and CUDA graphs): write at the
   position tensor with ``index_copy_``, so every shape is fixed and nothing in the step
   reads T on the host. On the CPU the attention is :mod:`draftsmith.models.cpu_attention`'s
@@ -185,8 +187,9 @@ class KVCache:
         V[:, :, start:start + m] = v
         if self.per_query and m > 1 and start > 0:
             return torch.cat([self._read(i, q[:, :, j:j + 1], start + j, scale) for j in range(m)], 2)
+        # (a per-query cache keeps SDPA for its one-token steps too: its verify rows above are SDPA's)
         if _eager_kernel and _eager_kernel[-1] and m <= EAGER_KERNEL_MAX_ROWS and (start > 0 or m == 1) \
-                and self.eager_kernel:
+                and not self.per_query and self.eager_kernel:
             return cpu_attention.decode_attention(q, K, V, pos, self.windows[i] or 0, scale)
         return self._read(i, q, start, scale)
 

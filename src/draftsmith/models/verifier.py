@@ -366,8 +366,10 @@ def linears_cpp(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
     does not depend on how many rows the step has. The module class is swapped in place
     (to :class:`CppLinear`), as :func:`linears_onednn` does; against MKL or oneDNN results differ
     by rounding, so a report states the layout it measured with. An int8 draft's layers
-    (``--draft-precision int8``) switch to :class:`CppInt8WeightLinear`, the kernel's int8 form.
-    CPU only.
+    (``--draft-precision int8``) switch to :class:`CppInt8WeightLinear`, the kernel's int8 form. The
+    block also has the lean engine's eager decode and verify steps attend through the C++ decode-attention
+    kernel (:func:`draftsmith.models.kv.eager_cpu_attention`; transformers' forward keeps SDPA, so the
+    lean step is then transformers' within rounding, not bitwise). CPU only.
 
     Yields:
         The number of layers switched (0 when not ``enabled``, or no float32 Linear or int8 layer).
