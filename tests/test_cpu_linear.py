@@ -161,3 +161,46 @@ def test_cpp_layout_switches_only_float32_cpu_linears_and_refuses_without_the_ke
     from draftsmith.bench import measure
 
     assert "cpp" not in measure.layout_candidates(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+@pytest.mark.parametrize("H", [1, 15, 16, 17, 64, 576])
+def test_rms_norm_is_f_rms_norm_times_the_weight_and_rows_are_independent(H):
+    g = torch.Generator().manual_seed(H)
+    x, w = torch.randn(5, 3, H, generator=g) * 3, torch.randn(H, generator=g)
+    got = cpu_linear.rms_norm(x, w, 1e-6)
+    assert got.shape == x.shape
+    torch.testing.assert_close(got, w * torch.nn.functional.rms_norm(x, (H,), eps=1e-6), atol=1e-6, rtol=1e-6)
+    rows = x.reshape(-1, H)
+    assert torch.equal(torch.cat([cpu_linear.rms_norm(r[None], w, 1e-6) for r in rows]), got.reshape(-1, H))
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_linear.rms_norm(x.double(), w.double(), 1e-6)
+    with pytest.raises(RuntimeError, match="expected"):
+        cpu_linear.rms_norm(x, torch.ones(H + 1), 1e-6)
+
+
+def test_cpp_layout_runs_a_drafts_norms_through_the_kernel_outside_autograd():
+    """Inside ``--weight-layout cpp`` an EAGLE-3 draft's RMSNorms are one ``rms_norm`` call (within float32
+    rounding of the module's, bitwise the op's) for inference; under autograd (training) and for other
+    dtypes they run the module's own ops; after the block they are plain RMSNorms again."""
+    from draftsmith.models.eagle3 import RMSNorm
+    from draftsmith.models.verifier import CppRMSNorm, weight_layout
+
+    norm = RMSNorm(64, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=torch.Generator().manual_seed(0)))
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
+    plain = norm(x)
+    with weight_layout(torch.nn.Sequential(norm), "cpp") as n:
+        assert n == 1 and type(norm) is CppRMSNorm
+        with torch.inference_mode():
+            fast = norm(x)
+            assert torch.equal(fast, cpu_linear.rms_norm(x, norm.weight, norm.eps))
+            torch.testing.assert_close(fast, plain, atol=1e-6, rtol=1e-6)
+        xg = x.clone().requires_grad_()
+        out = norm(xg)
+        out.sum().backward()  # the module's own ops: differentiable
+        assert torch.equal(out.detach(), plain) and xg.grad is not None
+        with torch.inference_mode():
+            xb = x.bfloat16()
+            assert torch.equal(norm(xb), RMSNorm.forward(norm, xb))  # another dtype: the module's ops
+    assert type(norm) is RMSNorm

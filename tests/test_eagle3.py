@@ -153,6 +153,34 @@ def test_greedy_equivalence_eagle3_in_the_cpp_layout(arch, monkeypatch):
                 assert out.stats["drafts"] > 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "llama-hd64"])
+def test_cached_steps_read_rope_rows_bitwise_the_modules(arch):
+    """A cached step's rope on the CPU comes from a table the rotary module computed once: bitwise the
+    module's own call at every position, after the table grows, and not used under autograd."""
+    from transformers import LlamaConfig
+
+    if arch == "llama-hd64":
+        verifier_config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      rope_theta=100000.0)
+        d = Eagle3Draft(Eagle3Config.from_verifier(verifier_config, draft_vocab_size=64, aux_layer_ids=[0, 1, 1]))
+    else:
+        d = _draft(tiny_model(arch), vd=64)
+    e = torch.randn(1, 3, d.config.hidden_size)
+    with torch.inference_mode():
+        for pos in ([0, 1, 2], [511], [700, 701, 702], [5], [3000, 3001]):
+            p = torch.tensor([pos])
+            got, want = d._rope_at(p, e[:, :len(pos)]), d.rope(p, e[:, :len(pos)])
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), pos
+        assert d._rope_table[0].shape[1] >= 3002
+        # the control: a neighbouring row of the table is not the position's
+        assert not torch.equal(d._rope_table[0][:, 701], d.rope(torch.tensor([[700]]), e[:, :1])[0][:, 0])
+    d._rope_table = None
+    with torch.enable_grad():
+        d._rope_at(torch.tensor([[4]]), e[:, :1])
+    assert d._rope_table is None  # under autograd (training) the module itself
+
+
 def test_set_vocab_offsets():
     d = _draft(tiny_model("llama"), vd=4)
     d.set_vocab(torch.tensor([3, 10, 11, 100]))

@@ -12,6 +12,8 @@
 // (Written first for the SPR's compiled verify steps, where it lost to inductor's GEMM template:
 // BENCHMARKS.md 9t; the eager steps use it since 15g.)
 //
+// `rms_norm` (an EAGLE-3 draft's RMSNorm in that layout) is one call instead of ATen's ~6 for a row.
+//
 // The same loop reads int8 weights (one float32 scale per output row; `small_linear_i8`, the int8
 // draft of `--draft-precision int8`): 16 weights are widened to floats in registers, so a step
 // reads a quarter of the bytes and the activations stay float32 (W8A32).
@@ -26,6 +28,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -173,7 +176,43 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& xc, const at::Tensor& w, c
   return y.view(shape);
 }
 
+// y[r] = w * (x[r] * 1 / sqrt(mean(x[r]^2) + eps)) for one row of H floats; the squares summed in 16
+// lanes (element k in lane k mod 16), then the lanes in order, so a row's result does not depend on
+// the other rows.
+void rms_norm_row(const float* x, const float* w, int64_t H, float eps, float* y) {
+  v16f acc{};
+  const int64_t H16 = H - H % 16;
+  for (int64_t k = 0; k < H16; k += 16) {
+    const v16f v = load16(x + k);
+    acc += v * v;
+  }
+  if (H16 < H) {
+    const v16f v = load_tail(x + H16, H - H16);
+    acc += v * v;
+  }
+  float ss = 0.f;
+  for (int j = 0; j < 16; ++j) ss += acc[j];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+  for (int64_t k = 0; k < H; ++k) y[k] = w[k] * (x[k] * r);
+}
+
 }  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "rms_norm: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "rms_norm: float32 x and w");
+  TORCH_CHECK(x.dim() >= 1 && w.dim() == 1 && x.size(-1) == w.size(0),
+              "rms_norm: x [..., H] and w [H] expected, got ", x.sizes(), " and ", w.sizes());
+  const int64_t H = w.size(0);
+  const at::Tensor xc = x.reshape({-1, H}).contiguous();
+  const at::Tensor wc = w.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t r = 0; r < xc.size(0); ++r) rms_norm_row(xp + r * H, wp, H, static_cast<float>(eps), yp + r * H);
+  return y.view(x.sizes());
+}
 
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) {
   const at::Tensor xc = rows_of("small_linear", x, w);
@@ -193,9 +232,11 @@ at::Tensor small_linear_i8(const at::Tensor& x, const at::Tensor& w, const at::T
 TORCH_LIBRARY_FRAGMENT(draftsmith, lib) {  // a fragment: other sources and Python register draftsmith:: ops too
   lib.def("small_linear(Tensor x, Tensor w, Tensor? b) -> Tensor");
   lib.def("small_linear_i8(Tensor x, Tensor w, Tensor scale, Tensor? b) -> Tensor");
+  lib.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(draftsmith, CPU, lib) {
   lib.impl("small_linear", &small_linear);
   lib.impl("small_linear_i8", &small_linear_i8);
+  lib.impl("rms_norm", &rms_norm);
 }

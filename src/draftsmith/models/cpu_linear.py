@@ -67,3 +67,10 @@ def small_linear_i8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     float32 (W8A32), rows batch-invariant as in :func:`small_linear`. :func:`available` must have
     returned True."""
     return torch.ops.draftsmith.small_linear_i8(x, qweight, scale, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / sqrt(mean(x^2, -1) + eps))`` for float32 CPU ``x [..., H]``, ``weight [H]``, in one
+    call (an EAGLE-3 draft's :class:`~draftsmith.models.eagle3.RMSNorm` in the cpp layout): equal to
+    ``F.rms_norm`` within float32 rounding, each row independent of the others."""
+    return torch.ops.draftsmith.rms_norm(x, weight, eps)

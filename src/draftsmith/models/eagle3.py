@@ -289,6 +289,20 @@ class Eagle3Draft(nn.Module):
     def rope(self, position_ids: torch.Tensor, like: torch.Tensor):
         return self.rotary_emb(like, position_ids)
 
+    def _rope_at(self, position_ids: torch.Tensor, like: torch.Tensor):
+        """:meth:`rope` at ``position_ids [1, m]`` for a cached step: on the CPU outside autograd and
+        compiled graphs, rows of a table the rotary module computed once for positions ``[0, n)``
+        (bitwise its per-step result, tested; ~8 us instead of ~20 for its call), grown by doubling."""
+        if (like.device.type != "cpu" or torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or getattr(self.rotary_emb, "rope_type", "default") in ("dynamic", "longrope")):  # tables by length
+            return self.rope(position_ids, like)
+        need = int(position_ids.max()) + 1
+        table = getattr(self, "_rope_table", None)
+        if table is None or table[0].shape[1] < need or table[0].dtype != like.dtype:
+            size = max(need, 2 * table[0].shape[1] if table is not None else 512)
+            table = self._rope_table = self.rope(torch.arange(size)[None], like)
+        return table[0][:, position_ids[0]], table[1][:, position_ids[0]]
+
     # ------------------------------------------------------------------ training: TTT unroll
     def forward(self, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
         """The training forward (what DDP wraps) is the TTT unroll."""
@@ -379,5 +393,5 @@ class Eagle3Draft(nn.Module):
             return out.transpose(1, 2).reshape(1, m, -1)
 
         e = self.embed_tokens(input_ids)
-        cos, sin = self.rope(position_ids, e)
+        cos, sin = self._rope_at(position_ids, e)
         return self.head(self.layers[0](e, hidden, cos, sin, attend))

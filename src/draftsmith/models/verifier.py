@@ -21,6 +21,7 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.cpu_linear import MAX_ROWS as _CPP_MAX_ROWS
+from draftsmith.models.eagle3 import RMSNorm
 from draftsmith.models.quantize import Int8WeightLinear
 from draftsmith.utils import atomic_dir, cache_dir, resolve_device, resolve_dtype
 
@@ -356,6 +357,20 @@ class CppInt8WeightLinear(Int8WeightLinear):
         return torch.nn.functional.linear(x, self.qweight.float() * self.scale32[:, None], self.bias)
 
 
+class CppRMSNorm(RMSNorm):
+    """An EAGLE-3 draft's :class:`~draftsmith.models.eagle3.RMSNorm` as one call of the cpp layout's
+    ``draftsmith::rms_norm`` (float32 on the CPU, outside autograd and compiled graphs; equal to the
+    module's ``F.rms_norm`` within float32 rounding): ~3 us for a row against ~15 for the module's four
+    ops, and a draft step has four of them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.dtype is torch.float32 and self.weight.dtype is torch.float32 and x.device.type == "cpu"
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+                and not torch.compiler.is_compiling()):
+            return torch.ops.draftsmith.rms_norm(x, self.weight, self.eps)
+        return super().forward(x)
+
+
 @contextlib.contextmanager
 def linears_cpp(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
     """Multiply ``model``'s float32 Linear layers with draftsmith's few-row C++ kernel while the block
@@ -366,7 +381,8 @@ def linears_cpp(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
     does not depend on how many rows the step has. The module class is swapped in place
     (to :class:`CppLinear`), as :func:`linears_onednn` does; against MKL or oneDNN results differ
     by rounding, so a report states the layout it measured with. An int8 draft's layers
-    (``--draft-precision int8``) switch to :class:`CppInt8WeightLinear`, the kernel's int8 form. The
+    (``--draft-precision int8``) switch to :class:`CppInt8WeightLinear`, the kernel's int8 form, and an
+    EAGLE-3 draft's norms to :class:`CppRMSNorm` (one C++ call). The
     block also has the lean engine's eager decode and verify steps attend through the C++ decode-attention
     kernel (:func:`draftsmith.models.kv.eager_cpu_attention`; transformers' forward keeps SDPA, so the
     lean step is then transformers' within rounding, not bitwise). CPU only.
@@ -388,6 +404,8 @@ def linears_cpp(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
                     mods.append(mod)
             elif type(mod) is Int8WeightLinear:  # an int8 draft's layers (--draft-precision int8)
                 mods.append(mod)
+            elif type(mod) is RMSNorm and mod.weight.dtype is torch.float32 and mod.weight.device.type == "cpu":
+                mods.append(mod)  # an EAGLE-3 draft's norms
     if mods:
         from draftsmith.models import cpu_linear
 
@@ -396,7 +414,8 @@ def linears_cpp(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
                                   "and ninja are needed; the warning above says why); use out-in or onednn")
     from draftsmith.models.kv import eager_cpu_attention
 
-    with _linears_as(mods, {torch.nn.Linear: CppLinear, Int8WeightLinear: CppInt8WeightLinear}) as n, \
+    with _linears_as(mods, {torch.nn.Linear: CppLinear, Int8WeightLinear: CppInt8WeightLinear,
+                            RMSNorm: CppRMSNorm}) as n, \
             eager_cpu_attention(True) if n else contextlib.nullcontext():
         yield n
 
