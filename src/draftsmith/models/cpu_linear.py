@@ -1,4 +1,5 @@
-"""Few-row float32 Linear on the CPU: a C++ kernel as a custom op (``--weight-layout cpp``).
+"""Few-row Linear on the CPU: a C++ kernel as a custom op (``--weight-layout cpp``), float32 weights
+(:func:`small_linear`) or an int8 draft's (:func:`small_linear_i8`), and the draft's RMSNorm (:func:`rms_norm`).
 
 An eager decode step multiplies one row (a verify step k + 1 rows) by each weight, and costs
 what reading the weights costs. MKL's float32 GEMM and oneDNN's matmul are made for many rows:
