@@ -1,4 +1,4 @@
-// Few-row float32 linear on the CPU (draftsmith.models.cpu_linear, `--weight-layout cpp`):
+// Few-row linear (float32 or int8 weights) and RMSNorm on the CPU (draftsmith.models.cpu_linear, `--weight-layout cpp`):
 // y [..., N] = x [..., K] W[N, K]^T (+ b).
 //
 // A decode step has m = 1 row, a verify step m = k + 1, so the product is a read of W with a
