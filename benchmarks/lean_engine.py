@@ -220,12 +220,11 @@ def as_loaded(model, fn: Callable[[list[int]], list[int]]) -> Callable[[list[int
 # ----------------------------------------------------------------------------------------- 2. context curve
 def section_context(args, model, out: dict) -> None:
     from draftsmith.decoding.runner import verifier_runner
+    from draftsmith.models.kv import eager_cpu_attention
 
     device = next(model.parameters()).device
     V = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    from draftsmith.models.kv import eager_cpu_attention
-
     paths = ["lean", "hf-dynamic"]
     if args.weight_layout == "cpp":  # the eager steps' attention through the C++ kernel, and on SDPA beside it
         paths.insert(1, "lean-sdpa")

@@ -113,7 +113,7 @@ def test_a_querys_result_does_not_depend_on_the_others_in_its_call(dtype, heads,
     assert not torch.equal(other, _op(q.float(), K.float(), V.float(), pos, window, 0.125, 256))
 
 
-def test_eager_cache_attends_through_the_kernel_inside_the_block_only():
+def test_eager_cache_attends_through_the_kernel_inside_the_block_only(monkeypatch):
     """Inside ``eager_cpu_attention`` an eager decode or verify forward (1..EAGER_KERNEL_MAX_ROWS queries
     after the prompt) attends through the kernel, equal to SDPA within float32 rounding; a prefill,
     longer forwards, and everything outside the block (or inside an inner ``enabled=False``) take SDPA."""
@@ -135,11 +135,8 @@ def test_eager_cache_attends_through_the_kernel_inside_the_block_only():
                 for i in range(2):
                     q = torch.randn(1, 6, m, 64, generator=g)
                     k, v = torch.randn(1, 2, m, 64, generator=g), torch.randn(1, 2, m, 64, generator=g)
-                    torch.ops.draftsmith.decode_attention = spy if name == "kernel" else real
-                    try:
-                        outs[name].append(c.attend(i, q, k, v, pos, 0.125))
-                    finally:
-                        torch.ops.draftsmith.decode_attention = real
+                    monkeypatch.setattr(torch.ops.draftsmith, "decode_attention", spy if name == "kernel" else real)
+                    outs[name].append(c.attend(i, q, k, v, pos, 0.125))
                 c.advance(m)
     assert calls == [1, 1, 3, 3, EAGER_KERNEL_MAX_ROWS, EAGER_KERNEL_MAX_ROWS, 1, 1]  # not the prefill nor 17
     for a, b in zip(outs["kernel"], outs["sdpa"]):
@@ -148,13 +145,10 @@ def test_eager_cache_attends_through_the_kernel_inside_the_block_only():
     c = KVCache(1, 2, 64, 8, torch.float32, "cpu")
     c.attend(0, torch.randn(1, 2, 2, 64), torch.randn(1, 2, 2, 64), torch.randn(1, 2, 2, 64), torch.arange(2), 1.0)
     c.advance(2)
+    monkeypatch.setattr(torch.ops.draftsmith, "decode_attention", spy)
     with eager_cpu_attention(), eager_cpu_attention(False):  # the inner block decides
-        torch.ops.draftsmith.decode_attention = spy
-        try:
-            c.attend(0, torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64),
-                     torch.tensor([2]), 1.0)
-        finally:
-            torch.ops.draftsmith.decode_attention = real
+        c.attend(0, torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64),
+                 torch.tensor([2]), 1.0)
     assert len(calls) == 8
     half = KVCache(1, 2, 64, 8, torch.float16, "cpu")
     assert not half.eager_kernel and c.eager_kernel

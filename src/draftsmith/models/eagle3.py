@@ -257,6 +257,7 @@ class Eagle3Draft(nn.Module):
         # Queries per attention block in the TTT unroll (0: one block of all L). Only speed
         # depends on it (BENCHMARKS.md section 7); results agree to rounding.
         self.ttt_attn_chunk = 256
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) [1, n, hd]: _rope_at
 
     # ------------------------------------------------------------------ building blocks
     def set_vocab(self, draft_to_target: torch.Tensor) -> None:
@@ -297,7 +298,7 @@ class Eagle3Draft(nn.Module):
                 or getattr(self.rotary_emb, "rope_type", "default") in ("dynamic", "longrope")):  # tables by length
             return self.rope(position_ids, like)
         need = int(position_ids.max()) + 1
-        table = getattr(self, "_rope_table", None)
+        table = self._rope_table
         if table is None or table[0].shape[1] < need or table[0].dtype != like.dtype:
             size = max(need, 2 * table[0].shape[1] if table is not None else 512)
             table = self._rope_table = self.rope(torch.arange(size)[None], like)

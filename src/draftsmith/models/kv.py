@@ -193,14 +193,18 @@ class KVCache:
             return cpu_attention.decode_attention(q, K, V, pos, self.windows[i] or 0, scale)
         return self._read(i, q, start, scale)
 
+    def _kernel_fits(self) -> bool:
+        """Whether :mod:`~draftsmith.models.cpu_attention`'s kernel can read these buffers (CPU, float32
+        or bfloat16) and is built."""
+        K = self.keys[0]
+        return K.device.type == "cpu" and K.dtype in (torch.float32, torch.bfloat16) and cpu_attention.available()
+
     @property
     def eager_kernel(self) -> bool:
-        """Whether this cache can attend through the C++ kernel in eager mode (CPU, float32 or
-        bfloat16 buffers, the kernel built); resolved on first use inside :func:`eager_cpu_attention`."""
+        """Whether this cache can attend through the C++ kernel in eager mode; resolved on first use
+        inside :func:`eager_cpu_attention`."""
         if self._eager_kernel is None:
-            K = self.keys[0]
-            self._eager_kernel = (K.device.type == "cpu" and K.dtype in (torch.float32, torch.bfloat16)
-                                  and cpu_attention.available())
+            self._eager_kernel = self._kernel_fits()
         return self._eager_kernel
 
     def write_static(self, i: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -239,9 +243,7 @@ class KVCache:
 
     @cpu_kernel.setter
     def cpu_kernel(self, use: bool) -> None:
-        K = self.keys[0]
-        self._cpu_kernel = (bool(use) and K.device.type == "cpu" and K.dtype in (torch.float32, torch.bfloat16)
-                            and cpu_attention.available())
+        self._cpu_kernel = bool(use) and self._kernel_fits()
 
     def _mask(self, start: int, end: int, lo: int, W: int | None, q: torch.Tensor) -> torch.Tensor:
         """The additive mask ``[m, end-lo]`` of queries ``[start, end)`` over keys ``[lo, end)``.
