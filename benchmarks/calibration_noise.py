@@ -8,7 +8,10 @@ two windows in one compiled process, with no bench around them: blocks like the 
 (prompts 0-2, ``--calib-tokens``) and blocks like the rows (the next ``--row-prompts`` prompts,
 ``--row-tokens``), each a plain decode then the drafter at k = 1 per prompt, and prints per block
 the trimmed-mean one-token step ``T(1)``, the 2-token verify ``T(2)`` of the rounds, their ratio
-(the cost model's verify price at k = 1) and the propose call.
+(the cost model's verify price at k = 1) and the propose call. A third block, ``paired``, is the
+calibration as ``measure_costs`` now takes it: the calibration's prompts and tokens, the drafter
+alone with a plain step every ``CALIBRATION_PLAIN_EVERY``-th round, each decode scaled to the
+pooled ``T(1)`` of those steps (``costmodel.paired_prices``).
 
     PYTHONPATH=src python benchmarks/calibration_noise.py --draft DRAFT --draft-precision int8 --threads 2 \\
         --out benchmarks/results/calibration-noise.json
@@ -36,23 +39,26 @@ def main() -> None:
     ap.add_argument("--row-tokens", type=int, default=128)
     ap.add_argument("--row-prompts", type=int, default=6)
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--weight-layout", default="out-in", help="the verifier's and draft's weight layout: out-in (as loaded), in-out, onednn, cpp")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from draftsmith.bench.costmodel import trimmed_mean
-    from draftsmith.bench.measure import bench_prompts, environment, measure_plain_steps, time_drafter
+    from draftsmith.bench.costmodel import paired_prices, trimmed_mean
+    from draftsmith.bench.measure import (CALIBRATION_PLAIN_EVERY, bench_prompts, environment, measure_plain_steps,
+                                          time_drafter)
     from draftsmith.drafters import load_draft
-    from draftsmith.models.verifier import load_verifier
+    from draftsmith.models.verifier import load_verifier, weight_layouts
 
     model, tok, fp = load_verifier(args.verifier, dtype="float32", device="cpu")
     prop = load_draft(args.draft, model, args.draft_precision)
     prompts = bench_prompts("mt-bench", tok, 3 + args.row_prompts)[0]
     windows = (("calibration", range(3), args.calib_tokens),
+               ("paired", range(3), args.calib_tokens),
                ("rows", range(3, 3 + args.row_prompts), args.row_tokens))
     out = {"command": vars(args) | {"draft": str(args.draft), "out": str(args.out)}, "verifier": fp,
            "cpu": environment().get("cpu_model"), "blocks": []}
-    with torch.inference_mode():
+    with torch.inference_mode(), weight_layouts([model, prop.draft], args.weight_layout):
         t = time.perf_counter()
         measure_plain_steps(model, prompts[0][1], 16, 0.0, 0, args.compile)
         time_drafter(model, prop, prompts[0][1], 1, 16, 0.0, 0, args.compile)
@@ -62,7 +68,12 @@ def main() -> None:
             for name, ps, n in windows:
                 t1, t2, calls = [], [], []
                 start = time.perf_counter()
-                for p in ps:
+                if name == "paired":
+                    decodes = [(1, *time_drafter(model, prop, prompts[p][1], 1, n, 0.0, 0, args.compile,
+                                                 plain_every=CALIBRATION_PLAIN_EVERY)) for p in ps]
+                    scaled_calls, scaled = paired_prices(decodes)
+                    t1, t2, calls = scaled.get(1, []), scaled.get(2, []), scaled_calls.get(1, [])
+                for p in ps if name != "paired" else ():
                     t1 += measure_plain_steps(model, prompts[p][1], n, 0.0, 0, args.compile)
                     c, steps = time_drafter(model, prop, prompts[p][1], 1, n, 0.0, 0, args.compile)
                     t2 += steps.get(2, [])

@@ -460,12 +460,12 @@ def test_bench_prompts_keeps_the_pilot_apart(tmp_path):
 
 
 def test_ctrl_c_leaves_a_partial_report(tiny, tmp_path):
-    # Before the timed loop: calibration at k = 1 and 3 (three passes) and the warm-up make 8 calls each
-    # (10 tokens, never accepted); so call 62 falls in the first timed drafter run, after the plain run of
-    # prompt 1.
+    # Before the timed loop: calibration at k = 1 and 3 (three passes; 8 rounds each, 10 tokens, never
+    # accepted, every third a plain step that does not call the drafter: 6 calls) and the warm-up (8
+    # calls) make 44 calls; so call 50 falls in the first timed drafter run, after the plain run of prompt 0.
     cfg = _cfg(tmp_path, num_draft_tokens=[3], num_prompts=3, warmup_tokens=10, hf_reference=False)
     with pytest.raises(KeyboardInterrupt):
-        benchmark(tiny, _prompts(3), {"wrong": _WrongDrafter(stop_at=62)}, cfg, tmp_path, {})
+        benchmark(tiny, _prompts(3), {"wrong": _WrongDrafter(stop_at=50)}, cfg, tmp_path, {})
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["partial"] is True and "interrupted" in report["note"]
     assert [r["name"] for r in report["rows"]] == ["plain (ours)"]
@@ -566,6 +566,92 @@ def test_in_situ_prices_replace_the_bare_table_where_measured():
     # a plain loop dearer than the rounds' verify would price drafting below nothing: pooled, non-decreasing
     t = costmodel.in_situ_prices(table, [0.040] * 20, {2: [0.032] * 10})
     assert t[1] == t[2] == pytest.approx(0.036) and t[3] > t[2]
+
+
+def test_paired_prices_cancel_a_host_drift_between_decodes():
+    """costmodel.paired_prices: three calibration decodes on a host whose speed differs by decode
+    (x1.0, x1.3, x0.8), true prices T(1) 30 ms, T(2) 31.5 ms, T(3) 36 ms, a call 2 ms per drafted
+    token. Scaled to a common T(1) each decode gives the true ratios; pooled as measured (the
+    negative control) T(2) / T(1) reads 1.23 for 1.05, and the k = 1 call 18% too dear."""
+    t1, t2, t3, call = 0.030, 0.0315, 0.036, 0.002
+
+    def decode(k, f):
+        return k, [f * call * k] * 12, {1: [f * t1] * 10, k + 1: [f * (t2 if k == 1 else t3)] * 20}
+
+    decodes = [decode(1, 1.3), decode(2, 0.8), decode(1, 1.3), decode(2, 1.0)]
+    calls, steps = costmodel.paired_prices(decodes)
+    level = costmodel.trimmed_mean(steps[1])
+    assert costmodel.trimmed_mean(steps[2]) / level == pytest.approx(t2 / t1)
+    assert costmodel.trimmed_mean(steps[3]) / level == pytest.approx(t3 / t1)
+    assert costmodel.trimmed_mean(calls[1]) / level == pytest.approx(call / t1)
+    assert costmodel.trimmed_mean(calls[2]) / level == pytest.approx(2 * call / t1)
+    raw_calls, raw = costmodel.paired_prices(decodes, min_samples=11)  # too few one-token steps: as measured
+    assert costmodel.trimmed_mean(raw[2]) / costmodel.trimmed_mean(raw[1]) > 1.15 * t2 / t1
+    assert costmodel.trimmed_mean(raw_calls[1]) / costmodel.trimmed_mean(raw[1]) > 1.15 * call / t1
+    assert costmodel.paired_prices([]) == ({}, {})
+
+
+class _ContractSpy(Proposer):
+    """Checks the DraftContext contract on every call (the verifier states of exactly the positions
+    verified since the previous call) and proposes a fixed token."""
+
+    requires_hidden_states = True
+    aux_layer_ids = (1,)
+
+    def reset(self) -> None:
+        self.last_T, self.seen = None, []
+
+    def propose(self, ctx, k, sampling, generator):
+        T, m = ctx.tokens.shape[0], ctx.hidden_states.shape[0]
+        self.seen.append((T, m, self.last_T))
+        self.last_T = T
+        return Proposal(torch.full((k,), 5, dtype=torch.long))
+
+
+def test_plain_steps_between_rounds_keep_the_drafters_view_whole(tiny):
+    """RecordingProposer(plain_every=3): every third round proposes nothing and does not ask the
+    drafter, whose next call still gets the verifier states of every position since its last;
+    the output stays plain decoding's; time_drafter leaves the calls after a plain step out."""
+    from draftsmith.bench.measure import RecordingProposer, time_drafter
+    from draftsmith.decoding.engine import generate
+
+    prompt = _prompts(1)[0][1]
+    ref = generate(tiny, prompt, max_new_tokens=24).token_ids
+    spy = _ContractSpy()
+    rec = RecordingProposer(spy, plain_every=3)
+    out = generate(tiny, prompt, proposer=rec, max_new_tokens=24, num_draft_tokens=2, time_steps=True)
+    assert out.token_ids == ref
+    assert [c for i, c in enumerate(rec.calls) if (i + 1) % 3 == 0] == [(0, 0, 0.0)] * (len(rec.calls) // 3)
+    assert all(req in (1, 2) for i, (req, _, _) in enumerate(rec.calls) if (i + 1) % 3)  # 1: the budget's end
+    assert len(spy.seen) == len(rec.calls) - len(rec.calls) // 3 >= 6
+    assert spy.seen[0][1] == spy.seen[0][0] - 1  # the first call: the prompt's states
+    for T, m, last in spy.seen[1:]:
+        assert m == T - last  # held states passed on: no position skipped or repeated
+    assert len(out.stats["step_seconds"][1]) >= len(rec.calls) // 3  # the plain steps are timed
+    with pytest.raises(ValueError):
+        RecordingProposer(spy, plain_every=1)
+
+    times, steps = time_drafter(tiny, _ContractSpy(), prompt, 2, 24, 0.0, 0, plain_every=3)
+    rounds = len(steps[1]) + sum(len(v) for n, v in steps.items() if n > 1)
+    # calls 1, 2, (plain), 4, 5, (plain), ...: the first and every one after a plain step left out
+    assert 0 < len(times) <= rounds // 3 + 1
+    times_all, _ = time_drafter(tiny, _ContractSpy(), prompt, 2, 24, 0.0, 0)  # control: without, all but the first
+    assert len(times_all) > 1.5 * len(times)
+
+
+def test_calibration_prices_a_drafter_against_the_plain_steps_between_its_rounds(tiny):
+    """measure_costs: a drafter's T(1) is the plain steps timed in its own decodes (paired),
+    the plain decodes' stays reported; every decode has those steps."""
+    from draftsmith.bench.measure import BenchState, Row, measure_costs
+
+    st = BenchState([Row("plain (ours)", "plain", tiny)], _prompts(2))
+    measure_costs(st, {"spy": _ContractSpy()}, [1, 2], 20, 0.0, 0)
+    own = st.verify_steps["spy"]
+    assert len(own[1]) >= 3 * 2 * 3 and len(own[2]) >= 5 and len(own[3]) >= 5
+    assert st.plain_steps
+    costs = st.drafter_costs("spy")
+    assert costs.t1 == pytest.approx(min(costmodel.trimmed_mean(own[1]), costs.verify(2)))
+    assert set(st.draft_per_call["spy"]) == {1, 2}
 
 
 def test_the_rows_own_step_prices_give_a_second_prediction():

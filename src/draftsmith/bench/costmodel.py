@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -276,6 +276,33 @@ def in_situ_prices(table: dict[int, float], plain: Sequence[float], verify: dict
         if n >= 2:
             out[n] = seen.get(n, table[n] * scale)
     return monotone_fit(out)
+
+
+def paired_prices(decodes: Sequence[tuple[int, Sequence[float], Mapping[int, Sequence[float]]]],
+                  min_samples: int = MIN_IN_SITU) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
+    """Pool the calibration decodes of one drafter, each scaled to a common ``T(1)``.
+
+    ``decodes`` holds ``(k, propose-call seconds, {tokens verified: step seconds})`` per decode,
+    whose one-token steps (``steps[1]``) were timed between its drafted rounds. A shared host's
+    speed drifts between decodes seconds apart by more than the difference between a verify
+    and a one-token step (BENCHMARKS 9x), and a speedup is a ratio of prices; so each decode's
+    calls and steps are multiplied by ``level / T1_d``, ``T1_d`` the trimmed mean of its own
+    one-token steps and ``level`` that of all decodes' together. A decode with fewer than
+    ``min_samples`` one-token steps is pooled as measured.
+
+    Returns ``({k: call seconds}, {n: step seconds})``, scaled.
+    """
+    ones = [t for _, _, steps in decodes for t in steps.get(1, [])]
+    level = trimmed_mean(ones) if len(ones) >= min_samples else None
+    calls: dict[int, list[float]] = {}
+    pooled: dict[int, list[float]] = {}
+    for k, times, steps in decodes:
+        own = steps.get(1, [])
+        f = level / trimmed_mean(own) if level is not None and len(own) >= min_samples else 1.0
+        calls.setdefault(k, []).extend(f * t for t in times)
+        for n, v in steps.items():
+            pooled.setdefault(int(n), []).extend(f * t for t in v)
+    return calls, pooled
 
 
 def fit_draft_cost(per_call: dict[int, float]) -> tuple[float, float]:

@@ -22,8 +22,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from draftsmith.bench.costmodel import (CostModel, DrafterProfile, best_k, confidence_thresholds, fit_draft_cost,
-                                        in_situ_prices, monotone_fit, predict, trimmed_mean)
+from draftsmith.bench.costmodel import (MIN_IN_SITU, CostModel, DrafterProfile, best_k, confidence_thresholds,
+                                        fit_draft_cost, in_situ_prices, monotone_fit, paired_prices, predict,
+                                        trimmed_mean)
 from draftsmith.bench.verdict import OutputVerdict, compare_outputs, model_scorer
 from draftsmith.decoding.proposers import DraftContext, Proposal, Proposer
 from draftsmith.decoding.sampling import SamplingParams
@@ -97,17 +98,30 @@ def peak_memory(device: torch.device) -> tuple[int | None, int | None]:
 
 class RecordingProposer(Proposer):
     """Wraps a proposer to record, per call, the requested k, the proposed length and
-    (with ``timing``) the wall time; used for draft-length distributions and draft costs."""
+    (with ``timing``) the wall time; used for draft-length distributions and draft costs.
 
-    def __init__(self, inner: Proposer, timing: bool = False, device: torch.device | None = None) -> None:
-        self.inner, self.timing, self.device = inner, timing, device
+    With ``plain_every`` = p > 0, every p-th round proposes nothing without asking the wrapped
+    drafter: the engine verifies the pending token alone, a plain one-token step between
+    drafted rounds (the calibration's ``T(1)``, paired with the verifies and propose calls
+    around it, :func:`time_drafter`). Such a round is recorded as ``(0, 0, 0.0)``; the
+    verifier states it was shown are held and passed on with the next call's, so the drafter
+    sees every position (the :class:`~draftsmith.decoding.proposers.DraftContext` contract).
+    """
+
+    def __init__(self, inner: Proposer, timing: bool = False, device: torch.device | None = None,
+                 plain_every: int = 0) -> None:
+        if plain_every < 0 or plain_every == 1:
+            raise ValueError(f"plain_every must be 0 (off) or >= 2, got {plain_every}")
+        self.inner, self.timing, self.device, self.plain_every = inner, timing, device, plain_every
         # The engine reads these; mirror the wrapped drafter's declaration.
         self.requires_hidden_states = inner.requires_hidden_states
         self.aux_layer_ids = inner.aux_layer_ids
         self.calls: list[tuple[int, int, float]] = []
+        self._rounds, self._held = 0, []
 
     def reset(self) -> None:
         self.inner.reset()
+        self._rounds, self._held = 0, []
 
     def prepare(self, max_length: int, compile: bool = False) -> None:
         self.inner.prepare(max_length, compile)
@@ -121,6 +135,16 @@ class RecordingProposer(Proposer):
 
     def propose(self, ctx: DraftContext, k: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
+        if self.plain_every:
+            self._rounds += 1
+            if ctx.hidden_states is not None:
+                self._held.append(ctx.hidden_states)
+            if self._rounds % self.plain_every == 0:  # a plain step: nothing proposed, the drafter not asked
+                self.calls.append((0, 0, 0.0))
+                return Proposal(ctx.tokens[:0], None)
+            if len(self._held) > 1:
+                ctx = DraftContext(ctx.tokens, torch.cat(self._held))
+            self._held = []
         if not self.timing:
             proposal = self.inner.propose(ctx, k, sampling, generator)
             self.calls.append((k, int(proposal.tokens.shape[0]), 0.0))
@@ -366,21 +390,29 @@ def pool_steps(pool: dict[int, list[float]], steps: Mapping[int, Sequence[float]
 
 def time_drafter(model: torch.nn.Module, proposer: Proposer, prompt: Sequence[int], k: int, max_new_tokens: int,
                  temperature: float, seed: int, compile: bool = False,
-                 on_compile: Callable[[float], None] | None = None) -> tuple[list[float], dict[int, list[float]]]:
+                 on_compile: Callable[[float], None] | None = None,
+                 plain_every: int = 0) -> tuple[list[float], dict[int, list[float]]]:
     """One decode of ``prompt`` at draft length ``k``: the seconds of its propose calls that asked
     for k (the first call left out: it includes one-off work, a draft model's prompt prefill,
     that is not a per-round cost), and of its verifier forwards after the prompt's by the number
-    of tokens each verified (aux hidden states included: the verify prices as rounds pay them)."""
+    of tokens each verified (aux hidden states included: the verify prices as rounds pay them).
+
+    With ``plain_every`` = p (:class:`RecordingProposer`), every p-th round is a plain one-token
+    step: the one-token forwards are then ``T(1)`` timed between the drafted rounds, a few
+    tens of milliseconds from the verifies and calls they are compared with. A call that
+    follows such a step caught up one position more than a round does, and is left out.
+    """
     from draftsmith.decoding.engine import generate
 
     device = next(model.parameters()).device
-    rec = RecordingProposer(proposer, timing=True, device=device)
+    rec = RecordingProposer(proposer, timing=True, device=device, plain_every=plain_every)
     res = generate(model, prompt, proposer=rec, max_new_tokens=max_new_tokens, temperature=temperature,
                    num_draft_tokens=k, seed=seed, compile=compile, time_steps=True)
     if on_compile is not None:
         on_compile(float(res.stats.get("compile_seconds", 0.0)))
-    times = [s for req, _, s in rec.calls[1:] if req == k] or [s for _, _, s in rec.calls]
-    return times, res.stats["step_seconds"]
+    calls = rec.calls
+    times = [s for i, (req, _, s) in enumerate(calls) if i > 0 and req == k and calls[i - 1][0] != 0]
+    return times or [s for req, _, s in calls if req], res.stats["step_seconds"]
 
 
 def measure_draft_costs(model: torch.nn.Module, proposer: Proposer, prompt: Sequence[int], ks: Sequence[int],
@@ -580,7 +612,7 @@ class BenchState:
     results: dict[tuple[int, int], list[RunResult]] = field(default_factory=dict)  # (row, prompt) -> repeats
     costs: CostModel | None = None  # the bare step table (measure_verify_costs), and its context
     plain_steps: list[float] = field(default_factory=list)  # T(1) in a plain decode (measure_plain_steps)
-    verify_steps: dict[str, dict[int, list[float]]] = field(default_factory=dict)  # drafter -> n -> in its decodes
+    verify_steps: dict[str, dict[int, list[float]]] = field(default_factory=dict)  # drafter -> n -> in its decodes (scaled: paired_prices)
     draft_per_call: dict[str, dict[int, float]] = field(default_factory=dict)
     draft_fit: dict[str, tuple[float, float]] = field(default_factory=dict)
     verdicts: dict[tuple[int, int], OutputVerdict] = field(default_factory=dict)  # (row, prompt), greedy only
@@ -596,11 +628,15 @@ class BenchState:
     load_at_start: float | None = field(default_factory=lambda: load_average())
 
     def drafter_costs(self, name: str) -> CostModel:
-        """The step costs drafter ``name``'s rounds pay: ``T(1)`` of the plain loop and ``T_verify(n)``
-        of its own decodes where measured in situ (:func:`~draftsmith.bench.costmodel.in_situ_prices`,
-        the bare table elsewhere), with its fitted propose cost (none if not measured)."""
+        """The step costs drafter ``name``'s rounds pay: ``T(1)`` of the plain steps between its
+        calibration rounds (of the plain decodes where it has too few) and ``T_verify(n)`` of its own
+        decodes where measured in situ (:func:`~draftsmith.bench.costmodel.in_situ_prices`, the bare
+        table elsewhere), with its fitted propose cost (none if not measured)."""
         fixed, per_token = self.draft_fit.get(name, (0.0, 0.0))
-        t_verify = in_situ_prices(self.costs.t_verify, self.plain_steps, self.verify_steps.get(name, {}))
+        own = self.verify_steps.get(name, {})
+        # T(1): the plain steps timed between its rounds (measure_costs), else the plain decodes'
+        t1 = own[1] if len(own.get(1, [])) >= MIN_IN_SITU else self.plain_steps
+        t_verify = in_situ_prices(self.costs.t_verify, t1, own)
         return dataclasses.replace(self.costs, t_verify=t_verify, draft_fixed=fixed, draft_per_token=per_token)
 
 
@@ -698,6 +734,9 @@ def cost_context(model: torch.nn.Module, prompt: Sequence[int], max_new_tokens: 
 #: The in-situ calibration of :func:`measure_costs`: passes over plain decoding and every drafter
 #: at every k, and tokens decoded by each (at most; the bench's --max-new-tokens when smaller)
 CALIBRATION_PASSES, CALIBRATION_TOKENS = 3, 64
+#: In the calibration's drafter decodes every this many-th round is a plain one-token step
+#: (:func:`time_drafter`), the ``T(1)`` its verifies and propose calls are priced against
+CALIBRATION_PLAIN_EVERY = 3
 
 
 def measure_costs(state: BenchState, proposers: dict[str, Proposer], ks: Sequence[int], max_new_tokens: int,
@@ -706,15 +745,19 @@ def measure_costs(state: BenchState, proposers: dict[str, Proposer], ks: Sequenc
 
     - ``costs``: the bare table, ``T_verify(n)`` for n = 1 .. max(k_max, 8) + 1, each length timed
       alone after a mid-reply context (it gives the shape over n, and the k the bench did not run);
-    - ``plain_steps``: the one-token steps of plain decodes;
+    - ``plain_steps``: the one-token steps of plain decodes (the plain loop's ``T(1)``, reported);
     - per drafter at every k of ``ks``: its propose calls (``draft_per_call``, fitted as
-      ``draft_fit``) and the verify forwards of its rounds (``verify_steps``).
+      ``draft_fit``) and the verify forwards of its rounds (``verify_steps``, by tokens verified;
+      ``verify_steps[name][1]``: the plain one-token steps between its rounds).
 
     The last three come from :data:`CALIBRATION_PASSES` passes, each over one prompt (the first
     ones in turn) decoded plainly and by every drafter at every k, in an order that rotates from
-    pass to pass, so that a drift of the machine's speed hits plain and speculative steps alike:
-    the predictions divide one by the other (:meth:`BenchState.drafter_costs`). What they leave
-    out is the engine's own work between the steps.
+    pass to pass. In a drafter's decodes every :data:`CALIBRATION_PLAIN_EVERY`-th round is a
+    plain step, and each decode's prices are scaled by the ratio of the drafter's pooled
+    one-token step to its own (:func:`~draftsmith.bench.costmodel.paired_prices`): a shared
+    host's speed wanders by 10% from one decode to the next (BENCHMARKS 9x), and the
+    predictions divide a round's prices by ``T(1)``, so each is compared with a ``T(1)`` timed
+    beside it. What they leave out is the engine's own work between the steps.
     """
     model = state.rows[0].model
     k_max = max(max(ks), 8)
@@ -727,9 +770,8 @@ def measure_costs(state: BenchState, proposers: dict[str, Proposer], ks: Sequenc
     state.costs = CostModel(measure_verify_costs(model, context, range(1, k_max + 2), compile=compile,
                                                  on_compile=compiled), context_tokens=len(context))
     runs: list[tuple[str, int] | None] = [None, *((name, k) for name in proposers for k in sorted({1, *ks}))]
-    calls: dict[str, dict[int, list[float]]] = {name: {} for name in proposers}
+    decodes: dict[str, list[tuple[int, list[float], dict[int, list[float]]]]] = {name: [] for name in proposers}
     state.plain_steps = []
-    state.verify_steps = {name: {} for name in proposers}
     for p in range(CALIBRATION_PASSES):
         prompt = state.prompts[p % len(state.prompts)][1]
         for run in runs[p % len(runs):] + runs[:p % len(runs)]:
@@ -739,11 +781,12 @@ def measure_costs(state: BenchState, proposers: dict[str, Proposer], ks: Sequenc
                 continue
             name, k = run
             times, steps = time_drafter(model, proposers[name], prompt, k, tokens, temperature, seed, compile,
-                                        on_compile=compiled)
-            calls[name].setdefault(k, []).extend(times)
-            pool_steps(state.verify_steps[name], steps)
+                                        on_compile=compiled, plain_every=CALIBRATION_PLAIN_EVERY)
+            decodes[name].append((k, times, steps))
+    state.verify_steps = {}
     for name in proposers:
-        state.draft_per_call[name] = {k: trimmed_mean(v) for k, v in sorted(calls[name].items()) if v}
+        calls, state.verify_steps[name] = paired_prices(decodes[name])
+        state.draft_per_call[name] = {k: trimmed_mean(v) for k, v in sorted(calls.items()) if v}
         state.draft_fit[name] = fit_draft_cost(state.draft_per_call[name])
 
 
