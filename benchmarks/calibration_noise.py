@@ -39,7 +39,8 @@ def main() -> None:
     ap.add_argument("--row-tokens", type=int, default=128)
     ap.add_argument("--row-prompts", type=int, default=6)
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--weight-layout", default="out-in", help="the verifier's and draft's weight layout: out-in (as loaded), in-out, onednn, cpp")
+    ap.add_argument("--weight-layout", default="out-in",
+                    help="the verifier's and draft's weight layout: out-in (as loaded), in-out, onednn, cpp")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -612,7 +612,8 @@ class BenchState:
     results: dict[tuple[int, int], list[RunResult]] = field(default_factory=dict)  # (row, prompt) -> repeats
     costs: CostModel | None = None  # the bare step table (measure_verify_costs), and its context
     plain_steps: list[float] = field(default_factory=list)  # T(1) in a plain decode (measure_plain_steps)
-    verify_steps: dict[str, dict[int, list[float]]] = field(default_factory=dict)  # drafter -> n -> in its decodes (scaled: paired_prices)
+    # drafter -> n -> seconds of its n-token forwards in its calibration decodes (scaled: paired_prices)
+    verify_steps: dict[str, dict[int, list[float]]] = field(default_factory=dict)
     draft_per_call: dict[str, dict[int, float]] = field(default_factory=dict)
     draft_fit: dict[str, tuple[float, float]] = field(default_factory=dict)
     verdicts: dict[tuple[int, int], OutputVerdict] = field(default_factory=dict)  # (row, prompt), greedy only
