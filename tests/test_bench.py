@@ -569,8 +569,8 @@ def test_in_situ_prices_replace_the_bare_table_where_measured():
 
 
 def test_paired_prices_cancel_a_host_drift_between_decodes():
-    """costmodel.paired_prices: three calibration decodes on a host whose speed differs by decode
-    (x1.0, x1.3, x0.8), true prices T(1) 30 ms, T(2) 31.5 ms, T(3) 36 ms, a call 2 ms per drafted
+    """costmodel.paired_prices: four calibration decodes on a host whose speed differs by decode
+    (x1.3, x0.8, x1.3, x1.0), true prices T(1) 30 ms, T(2) 31.5 ms, T(3) 36 ms, a call 2 ms per drafted
     token. Scaled to a common T(1) each decode gives the true ratios; pooled as measured (the
     negative control) T(2) / T(1) reads 1.23 for 1.05, and the k = 1 call 18% too dear."""
     t1, t2, t3, call = 0.030, 0.0315, 0.036, 0.002
@@ -652,6 +652,10 @@ def test_calibration_prices_a_drafter_against_the_plain_steps_between_its_rounds
     costs = st.drafter_costs("spy")
     assert costs.t1 == pytest.approx(min(costmodel.trimmed_mean(own[1]), costs.verify(2)))
     assert set(st.draft_per_call["spy"]) == {1, 2}
+    st.plain_steps = [1e-6] * 20  # a plain loop 1 us a step: not what the drafter is priced against
+    assert st.drafter_costs("spy").t1 == pytest.approx(costs.t1)
+    del own[1]  # control: with no plain steps of its own, the plain decodes' T(1) is the fallback
+    assert st.drafter_costs("spy").t1 == pytest.approx(1e-6)
 
 
 def test_the_rows_own_step_prices_give_a_second_prediction():
