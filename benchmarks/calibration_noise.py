@@ -74,11 +74,12 @@ def main() -> None:
                                                  plain_every=CALIBRATION_PLAIN_EVERY)) for p in ps]
                     scaled_calls, scaled = paired_prices(decodes)
                     t1, t2, calls = scaled.get(1, []), scaled.get(2, []), scaled_calls.get(1, [])
-                for p in ps if name != "paired" else ():
-                    t1 += measure_plain_steps(model, prompts[p][1], n, 0.0, 0, args.compile)
-                    c, steps = time_drafter(model, prop, prompts[p][1], 1, n, 0.0, 0, args.compile)
-                    t2 += steps.get(2, [])
-                    calls += c
+                else:
+                    for p in ps:
+                        t1 += measure_plain_steps(model, prompts[p][1], n, 0.0, 0, args.compile)
+                        c, steps = time_drafter(model, prop, prompts[p][1], 1, n, 0.0, 0, args.compile)
+                        t2 += steps.get(2, [])
+                        calls += c
                 a, b = trimmed_mean(t1), trimmed_mean(t2)
                 block = {"round": i, "window": name, "seconds": time.perf_counter() - start, "t1_ms": 1e3 * a,
                          "t2_ms": 1e3 * b, "ratio": b / a, "propose_ms": 1e3 * trimmed_mean(calls),
