@@ -18,6 +18,18 @@ os.environ.setdefault("DRAFTSMITH_COMPILE_WRAPPER", "python")
 VOCAB = 128
 
 
+@pytest.fixture(autouse=True)
+def _threads_unchanged():
+    """A test that leaves torch on another thread count slows every test after it in this process (a
+    bench run with `--threads 1` once ran two thirds of the suite on one of the two cores): an error."""
+    before = torch.get_num_threads()
+    yield
+    after = torch.get_num_threads()
+    if after != before:
+        torch.set_num_threads(before)
+        pytest.fail(f"the test left torch on {after} thread(s), it found {before}")
+
+
 def _config(arch: str, vocab: int = VOCAB, layers: int = 2, hidden: int = 64, window: int = 8):
     from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config,
                               Qwen3Config)

@@ -526,11 +526,19 @@ def test_eval_prompt_loaders(tmp_path):
 
 @pytest.mark.slow
 def test_bench_cli_on_smollm2(tmp_path):
+    """The CLI on the packaged verifier; --threads holds for the bench only, not for the process after it."""
     from draftsmith.cli import main
 
-    rc = main(["bench", "--verifier", "smollm2-135m", "--drafter", "ngram", "--num-prompts", "1",
-               "--max-new-tokens", "8", "--num-draft-tokens", "3", "--warmup-tokens", "4",
-               "--no-hf-reference", "--no-progress", "--threads", "1", "--out", str(tmp_path)])
+    threads = max(torch.get_num_threads(), 2)  # a count that --threads 1 visibly changes
+    own = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rc = main(["bench", "--verifier", "smollm2-135m", "--drafter", "ngram", "--num-prompts", "1",
+                   "--max-new-tokens", "8", "--num-draft-tokens", "3", "--warmup-tokens", "4",
+                   "--no-hf-reference", "--no-progress", "--threads", "1", "--out", str(tmp_path)])
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(own)
     assert rc == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["provenance"]["fingerprint"] and report["rows"][1]["identical_output_rate"] == 1.0
@@ -538,6 +546,8 @@ def test_bench_cli_on_smollm2(tmp_path):
     assert report["provenance"]["weight_layout_asked"] == "auto"
     assert report["provenance"]["weight_layout"] == report["weight_layout_choice"]["layout"]
     assert set(report["weight_layout_choice"]["t_seconds"]) == {"out-in", "onednn", "cpp"}
+    # the bench ran on one thread (the report says so) and left the process on its own count
+    assert report["environment"]["torch_threads"] == 1 and after == threads
 
 
 def test_trimmed_mean_drops_a_preemption_but_keeps_the_skew():

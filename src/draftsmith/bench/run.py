@@ -320,12 +320,20 @@ def _measure(state: BenchState, model: torch.nn.Module, proposers: dict[str, Pro
 
 def run_bench(cfg: BenchConfig) -> int:
     """CLI entry: load the verifier, prompts and drafters, measure, write the report."""
+    threads = torch.get_num_threads()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _run_bench(cfg)
+    finally:  # a library call does not leave the process on its --threads
+        torch.set_num_threads(threads)
+
+
+def _run_bench(cfg: BenchConfig) -> int:
     from draftsmith.drafters import build_proposer
     from draftsmith.models.verifier import load_verifier
     from draftsmith.utils import command_line
 
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
     model, tokenizer, fp = load_verifier(cfg.verifier, dtype=cfg.dtype, device=cfg.device)
     prompts, pilot = bench_prompts(cfg.dataset, tokenizer, cfg.num_prompts, cfg.pilot_prompts if cfg.choose_k else 0)
     proposers: dict[str, Proposer] = {}
