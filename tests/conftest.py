@@ -18,16 +18,24 @@ os.environ.setdefault("DRAFTSMITH_COMPILE_WRAPPER", "python")
 VOCAB = 128
 
 
+def _process_state() -> dict:
+    return {"threads": torch.get_num_threads(), "default dtype": torch.get_default_dtype(),
+            "grad enabled": torch.is_grad_enabled(), "inference mode": torch.is_inference_mode_enabled()}
+
+
 @pytest.fixture(autouse=True)
-def _threads_unchanged():
-    """A test that leaves torch on another thread count slows every test after it in this process (a
-    bench run with `--threads 1` once ran two thirds of the suite on one of the two cores): an error."""
-    before = torch.get_num_threads()
+def _process_state_unchanged():
+    """A test that leaves torch's process-wide settings changed alters every test after it in this
+    process (a bench run with `--threads 1` once ran two thirds of the suite on one of the two cores):
+    an error, the settings put back."""
+    before = _process_state()
     yield
-    after = torch.get_num_threads()
+    after = _process_state()
     if after != before:
-        torch.set_num_threads(before)
-        pytest.fail(f"the test left torch on {after} thread(s), it found {before}")
+        torch.set_num_threads(before["threads"])
+        torch.set_default_dtype(before["default dtype"])
+        torch.set_grad_enabled(before["grad enabled"])
+        pytest.fail(f"the test left torch's settings at {after}, it found {before}")
 
 
 def _config(arch: str, vocab: int = VOCAB, layers: int = 2, hidden: int = 64, window: int = 8):
