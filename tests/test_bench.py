@@ -529,8 +529,8 @@ def test_bench_cli_on_smollm2(tmp_path):
     """The CLI on the packaged verifier; --threads holds for the bench only, not for the process after it."""
     from draftsmith.cli import main
 
-    threads = max(torch.get_num_threads(), 2)  # a count that --threads 1 visibly changes
     own = torch.get_num_threads()
+    threads = max(own, 2)  # a count that --threads 1 visibly changes
     torch.set_num_threads(threads)
     try:
         rc = main(["bench", "--verifier", "smollm2-135m", "--drafter", "ngram", "--num-prompts", "1",

@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import gc
 import os
 import re
 import statistics
@@ -45,8 +46,6 @@ def release_freed_memory() -> None:
     freed tensors' pages in the heap, still resident: without this, the peak RSS measured
     after a reset starts from them.
     """
-    import gc
-
     gc.collect()
     trim = _malloc_trim()
     if trim is not None:
@@ -66,8 +65,6 @@ def frozen_heap():
     only cycles among them wait for the block's end. A process that froze objects itself
     keeps its own arrangement (nothing is frozen or unfrozen here).
     """
-    import gc
-
     if gc.get_freeze_count():
         yield
         return
