@@ -89,11 +89,41 @@ def test_lean_engine_runs_its_sections_on_a_tiny_verifier(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["plain"]["identical_to_hf_generate"] == {"hf-generate": 2, "ours-lean": 2, "ours-hf-dynamic": 2}
+    assert res["complete"] is True and res["sections_done"] == ["plain", "context", "draft"]
     assert set(res["context"]["median_ms"]) >= {"lean"}
     ratios = res["draft"]["draft_over_verifier"]
     assert {"draft-8192", "draft-8192-int8"} <= set(ratios) and all(v > 0 for v in ratios.values())
     # the int8 draft is int8 in its 8 step layers (q, k, v, o, gate, up, down, head); fc stays float
     assert res["draft"]["layer_kinds"]["draft-8192-int8"] == {"Linear": 1, "Int8WeightLinear": 8}
+
+
+def test_lean_engine_keeps_the_sections_it_finished_when_a_later_one_fails(tmp_path, monkeypatch):
+    """The GPU check runs lean_engine.py under a time limit: its JSON is written after each section, so
+    a run cut short keeps what it measured, marked incomplete; rss is a default section on the CPU only."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lean_engine_script", ROOT / "benchmarks" / "lean_engine.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def cut(*_a, **_k):
+        raise KeyboardInterrupt("the time limit")
+
+    monkeypatch.setattr(script, "section_context", cut)
+    out = tmp_path / "lean.json"
+    with pytest.raises(KeyboardInterrupt):
+        script.main(["--verifier", "random-tiny", "--sections", "plain", "context", "draft", "--num-prompts", "1",
+                     "--max-new-tokens", "4", "--repeats", "1", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["complete"] is False and res["sections_done"] == ["plain"]
+    assert res["plain"]["identical_to_hf_generate"]["ours-lean"] == 1 and "draft" not in res
+    seen = []
+    monkeypatch.setattr(script, "load", lambda args: seen.append(list(args.sections)) or (_ for _ in ()).throw(
+        KeyboardInterrupt()))
+    for device in ("cpu", "cuda"):
+        with pytest.raises(KeyboardInterrupt):
+            script.main(["--verifier", "random-tiny", "--device", device, "--out", str(out)])
+    assert seen == [["plain", "context", "draft", "rss"], ["plain", "context", "draft"]]
 
 
 def test_lean_engine_draft_section_in_the_cpp_layout_times_both_int8_kernels(tmp_path):

@@ -300,11 +300,24 @@ def test_static_mode_equals_eager(arch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("nkv", [1, 2, 4])
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "sdpa"])
-def test_static_attention_equals_the_prefix_read(nkv, window, dtype, kernel):
+@pytest.mark.parametrize("kernel", [True, False, "folded"], ids=["cpu-kernel", "sdpa", "sdpa-folded"])
+def test_static_attention_equals_the_prefix_read(nkv, window, dtype, kernel, monkeypatch):
     """The static path (as a compiled step attends: the CPU kernel over the slots up to each query, or
-    SDPA over all slots under the position mask, as on CUDA) gives the eager prefix read's attention,
-    for one and several queries, MHA to MQA, with and without a window."""
+    SDPA over all slots under the position mask, with the grouped query heads folded as on CUDA) gives
+    the eager prefix read's attention, for one and several queries, MHA to MQA, with and without a window."""
+    from draftsmith.models import kv
+
+    fold, kernel = kernel == "folded", kernel is True
+    eager_attend = KVCache.attend
+
+    def attend_unfolded(self, *a):  # the reference: the CPU's unfolded calls, whatever the case folds
+        monkeypatch.setattr(kv, "FOLD_GQA", False)
+        try:
+            return eager_attend(self, *a)
+        finally:
+            monkeypatch.setattr(kv, "FOLD_GQA", fold)
+
+    monkeypatch.setattr(kv, "FOLD_GQA", fold)
     g = torch.Generator().manual_seed(nkv)
     nh, hd, S = 4, 8, 24
     tol = 1e-6 if dtype == torch.float32 else 2e-2
@@ -325,7 +338,7 @@ def test_static_attention_equals_the_prefix_read(nkv, window, dtype, kernel):
         T = eager.length
         q = randn(1, nh, m, hd)
         k, v = randn(1, nkv, m, hd), randn(1, nkv, m, hd)
-        want = eager.attend(0, q, k, v, torch.arange(T, T + m), 0.3)
+        want = attend_unfolded(eager, 0, q, k, v, torch.arange(T, T + m), 0.3)
         got = static.attend(0, q, k, v, torch.arange(T, T + m), 0.3)
         eager.advance(m)
         static.advance(m)
@@ -339,6 +352,65 @@ def test_static_attention_equals_the_prefix_read(nkv, window, dtype, kernel):
             static.advance(m)
             assert not torch.allclose(bad.view(1, nkv, m, rep, hd).transpose(2, 3).reshape(1, nh, m, hd), want,
                                       atol=10 * tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 4])
+def test_folded_grouped_query_attention_equals_sdpas_own(m, dtype):
+    """Off the CPU a masked grouped-query call folds each KV head's query heads into one sequence under
+    the mask tiled (CUDA's fused kernels take a mask or grouped heads, not both): it equals SDPA's
+    ``enable_gqa``. Negative control: the mask tiled in the other order (each row repeated) differs."""
+    from draftsmith.models.kv import gqa_attention
+
+    g = torch.Generator().manual_seed(m)
+    nh, nkv, hd, S = 6, 2, 8, 16
+    q = torch.randn(1, nh, m, hd, generator=g).to(dtype)
+    K, V = (torch.randn(1, nkv, S, hd, generator=g).to(dtype) for _ in range(2))
+    pos = torch.arange(S - m, S) - 3  # the queries' positions; slots past them are stale
+    keep = torch.arange(S)[None, :] <= pos[:, None]
+    keep &= torch.arange(S)[None, :] > pos[:, None] - 6  # a window, so every row's mask differs
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    from draftsmith.models import kv
+
+    for mask in (keep, kv.additive_mask(keep, dtype)):
+        want = torch.nn.functional.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=0.3, enable_gqa=True)
+        kv.FOLD_GQA = True
+        try:
+            got = gqa_attention(q, K, V, mask, 0.3)
+        finally:
+            kv.FOLD_GQA = None
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+        assert torch.equal(gqa_attention(q, K, V, mask, 0.3), want)  # the CPU's own call, unfolded
+        if m > 1:
+            rep = nh // nkv
+            bad = torch.nn.functional.scaled_dot_product_attention(
+                q.reshape(1, nkv, rep * m, hd), K, V, attn_mask=mask.repeat_interleave(rep, 0), scale=0.3)
+            assert not torch.allclose(bad.reshape(1, nh, m, hd), want, atol=10 * tol)
+
+
+def test_greedy_decoding_with_folded_grouped_queries_equals_generate(monkeypatch):
+    """The whole engine with the fold (verify rows of several tokens under a mask, as on CUDA): the
+    same tokens as ``generate`` on a grouped-query model, with an n-gram drafter's multi-token rounds."""
+    from draftsmith.decoding.proposers import NgramProposer
+    from draftsmith.models import kv
+
+    model = tiny_model("llama")
+    prompt = torch.tensor([5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], dtype=torch.long)
+    with torch.inference_mode():
+        want = model.generate(prompt[None], max_new_tokens=24, do_sample=False)[0, prompt.shape[0]:].tolist()
+    calls = []
+    folded = kv.gqa_attention
+
+    def counting(q, K, V, mask, *a, **kw):
+        if mask is not None:
+            calls.append(q.shape[2])
+        return folded(q, K, V, mask, *a, **kw)
+
+    monkeypatch.setattr(kv, "FOLD_GQA", True)
+    monkeypatch.setattr(kv, "gqa_attention", counting)
+    out = generate(model, prompt, max_new_tokens=24, proposer=NgramProposer(), num_draft_tokens=3)
+    assert out.token_ids == want
+    assert max(calls) > 1 and out.stats["draft_tokens"] > 0  # masked multi-token verify rows were folded
 
 
 def test_auto_path_per_model():

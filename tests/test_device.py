@@ -78,6 +78,38 @@ def test_eagle3_draft_outputs_equal_up_to_ties(device, dtype):
         assert kinds["identical"] == len(verdicts)
 
 
+def test_compiled_eagle3_rounds_equal_eager_plain_decoding(device):
+    """``--compile`` on the device (CUDA graphs on a GPU, in bfloat16 as served there; the CPU's tiers,
+    float32, here): an EAGLE-3 draft at k = 3 gives plain eager decoding's tokens up to ties, and a
+    second request compiles nothing (every verify and draft length was warmed before the first one's
+    clock started)."""
+    from draftsmith.drafters import load_draft
+    from draftsmith.export import save_draft
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    base = tiny_model("llama", layers=8)
+    verifier = _on(base, device, dtype)
+    score, score32 = model_scorer(verifier), model_scorer(_on(base, device, torch.float32))
+    import tempfile
+
+    verdicts, compiles = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        save_draft(random_draft(base), tmp, num_draft_tokens=3)
+        proposer = load_draft(tmp, verifier)
+        for p in _prompts(2):
+            plain = generate(verifier, p, max_new_tokens=24, eos_token_id=[]).token_ids
+            spec = generate(verifier, p, proposer=proposer, max_new_tokens=24, num_draft_tokens=3, eos_token_id=[],
+                            compile=True)
+            assert spec.stats["drafts"] > 0
+            compiles.append(spec.stats["compile_seconds"])
+            verdicts.append(compare_outputs(p, plain, spec.token_ids, score=score, dtype=dtype, score_float32=score32))
+    kinds = count_kinds(verdicts)
+    assert kinds["mismatch"] == 0, verdicts
+    if dtype == torch.float32:
+        assert kinds["identical"] == len(verdicts)
+    assert compiles[0] > 0 and compiles[1] == 0, compiles
+
+
 def test_rejection_sampling_distribution_on_device(device):
     """One position, 20k chains of one drafted token: the emitted token follows p (TV < 0.02; the
     expected TV at this N is ~0.008)."""

@@ -367,3 +367,27 @@ def test_target_minutes_counts_the_time_before_a_resume(tmp_path, samples, monke
     res, seconds = _timed_train(cfg, samples, monkeypatch, lambda now: 2.0)
     assert res.steps == 30 and seconds == pytest.approx(36.0)
     assert [f["step"] for f in res.metrics["fits"]] == [15]
+
+
+def test_a_cuda_device_named_without_an_index_gets_this_process_gpu(monkeypatch):
+    """``--device cuda`` (what the GPU check passes) names no index, and ``torch.cuda.set_device``
+    refuses such a device: the trainer resolves it to LOCAL_RANK's GPU (0 alone) first. Checked on
+    a CPU through torch's own index check, the one ``set_device`` runs before touching a GPU."""
+    from torch.cuda._utils import _get_device_index
+
+    with pytest.raises(ValueError):  # control: what set_device saw before the fix
+        _get_device_index(torch.device("cuda"))
+    set_to = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: set_to.append(_get_device_index(d)))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert loop_mod._Dist("cuda").device == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert loop_mod._Dist("cuda").device == torch.device("cuda", 1)
+    assert loop_mod._Dist("cuda:3").device == torch.device("cuda", 3)  # an index given is kept
+    assert set_to == [0, 1, 3]
+    assert loop_mod.train_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert loop_mod.train_device("auto") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert loop_mod.train_device("auto") == torch.device("cuda", 1)

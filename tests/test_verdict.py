@@ -123,3 +123,25 @@ def test_bfloat16_divergences_are_ties_with_margins():
         plain = generate(base, p, max_new_tokens=48, eos_token_id=[]).token_ids
         assert generate(base, p, proposer=drafter32, max_new_tokens=48, num_draft_tokens=4,
                         eos_token_id=[]).token_ids == plain
+
+
+def test_float32_twin_makes_only_float32_tensors_and_leaves_the_model_as_it_is():
+    """The rescoring's float32 copy of a bfloat16 verifier: every floating tensor float32 with the same
+    values, shared weights still shared, the model itself untouched, its scores those of ``model.float()``."""
+    from draftsmith.bench.measure import float32_twin
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as in SmolLM2
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    twin = float32_twin(model)
+    assert all(p.dtype == torch.float32 for p in twin.parameters())
+    assert twin.lm_head.weight is twin.model.embed_tokens.weight
+    for n, p in twin.state_dict().items():
+        assert torch.equal(p, before[n].to(p.dtype)), n
+        assert p.data_ptr() != model.state_dict()[n].data_ptr(), n
+    assert all(torch.equal(p, before[n]) and p.dtype == before[n].dtype for n, p in model.state_dict().items())
+    ids = list(range(3, 20))
+    with torch.inference_mode():
+        want = model_scorer(copy.deepcopy(model).float())(ids)
+        assert torch.equal(model_scorer(twin)(ids), want)
+        assert not torch.equal(model_scorer(model)(ids).float(), want)  # control: the bfloat16 scores differ

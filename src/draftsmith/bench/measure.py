@@ -95,6 +95,7 @@ def reset_peak_memory(device: torch.device) -> bool:
     """
     release_freed_memory()
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # blocks cached from earlier runs would count in this run's reserved peak
         torch.cuda.reset_peak_memory_stats(device)
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -105,8 +106,12 @@ def reset_peak_memory(device: torch.device) -> bool:
 
 
 def peak_memory(device: torch.device) -> tuple[int | None, int | None]:
-    """(peak RSS bytes, peak CUDA bytes allocated or None)."""
-    cuda = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+    """(peak RSS bytes, peak CUDA bytes reserved or None).
+
+    On CUDA the peak *reserved* by the caching allocator, not allocated: a compiled step's CUDA graphs
+    keep their memory in private pools, which count as reserved and not as allocated once recorded, so
+    allocated bytes would show a compiled row lighter than it is."""
+    cuda = int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None
     try:
         m = re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text())
         if m:
@@ -146,8 +151,8 @@ class RecordingProposer(Proposer):
         self.inner.reset()
         self._rounds, self._held = 0, []
 
-    def prepare(self, max_length: int, compile: bool = False) -> None:
-        self.inner.prepare(max_length, compile)
+    def prepare(self, max_length: int, compile: bool = False, num_draft_tokens: int = 1) -> None:
+        self.inner.prepare(max_length, compile, num_draft_tokens)
 
     @property
     def compile_seconds(self) -> float:  # type: ignore[override]
@@ -823,6 +828,31 @@ def measure_costs(state: BenchState, proposers: dict[str, Proposer], ks: Sequenc
         state.draft_fit[name] = fit_draft_cost(state.draft_per_call[name])
 
 
+def float32_twin(model: torch.nn.Module, headroom: float = 1.25) -> torch.nn.Module:
+    """A float32 copy of ``model`` for rescoring divergences (information only: ``margin_float32``).
+
+    Only the float32 tensors are made (no intermediate copy at the model's dtype), on the model's
+    device where its free memory holds them ``headroom`` times over, else on the CPU: an 8B verifier
+    served in bfloat16 on a GPU would need 32 GB more there."""
+    import copy
+
+    device = next(model.parameters()).device
+    tensors = [*model.parameters(), *model.buffers()]
+    need = sum(t.numel() * 4 for t in tensors if t.is_floating_point())
+    target = device
+    if device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < headroom * need:
+        print(f"bench: rescoring in float32 on the CPU: the GPU lacks {need / 1e9:.1f} GB for a float32 copy",
+              file=sys.stderr)
+        target = torch.device("cpu")
+
+    def twin(t: torch.Tensor) -> torch.Tensor:
+        c = t.detach().to(target, torch.float32 if t.is_floating_point() else t.dtype)
+        return torch.nn.Parameter(c, requires_grad=False) if isinstance(t, torch.nn.Parameter) else c
+
+    memo = {id(t): twin(t) for t in tensors}  # deepcopy takes these for the model's own tensors
+    return copy.deepcopy(model, memo).eval()
+
+
 def judge_outputs(state: BenchState, model: torch.nn.Module) -> None:
     """Greedy runs: classify every row's output on every prompt against plain decoding of the
     same verifier (identical / tie / mismatch, :mod:`draftsmith.bench.verdict`) into ``state.verdicts``.
@@ -843,9 +873,7 @@ def judge_outputs(state: BenchState, model: torch.nn.Module) -> None:
         ref, cand = state.results[(base, p)][0].token_ids, runs[0].token_ids
         quant = state.rows[base].quant is not None
         if ref != cand and not quant and dtype != torch.float32 and fp32 is None:
-            import copy
-
-            fp32 = model_scorer(copy.deepcopy(model).float())
+            fp32 = model_scorer(float32_twin(model))
         state.verdicts[(r, p)] = compare_outputs(
             state.prompts[p][1], ref, cand, score=score,
             dtype=next(ref_model.parameters()).dtype if quant else dtype, score_float32=None if quant else fp32)

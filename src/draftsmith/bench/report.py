@@ -501,7 +501,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                       f"({report['prompts']['measured']}/{report['prompts']['requested']} prompts).**"]
     cuda = any(r["peak_cuda_bytes"] for r in report["rows"])
     lines += ["", "| row | tok/s median [IQR] | speedup [95% CI] | acc. length | acc. rate | "
-                  f"outputs: identical / tie / mismatch | peak {'CUDA' if cuda else 'RSS'} |",
+                  f"outputs: identical / tie / mismatch | peak {'CUDA reserved' if cuda else 'RSS'} |",
               "|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         t, s, acc = r["tokens_per_second"], r["speedup"], r.get("acceptance")

@@ -77,7 +77,7 @@ class CrossTokenizerProposer(Proposer):
         self.seen: list[int] = []  # draft tokens whose keys/values are cached
         self.rounds = self.empty = self.unaligned = 0
 
-    def prepare(self, max_length: int, compile: bool = False) -> None:
+    def prepare(self, max_length: int, compile: bool = False, num_draft_tokens: int = 1) -> None:
         from draftsmith.decoding.runner import verifier_runner
 
         if self.runner is not None:

@@ -114,7 +114,7 @@ def generate(model: torch.nn.Module, input_ids: Any, proposer: Proposer | None =
         proposer.reset()
         aux = tuple(proposer.aux_layer_ids) if proposer.requires_hidden_states else ()
         with torch.inference_mode():
-            proposer.prepare(capacity, compile)
+            proposer.prepare(capacity, compile, num_draft_tokens)
 
     accepted_at = [0] * num_draft_tokens
     drafts = draft_tokens = forwards = 0

@@ -78,11 +78,12 @@ class Proposer(abc.ABC):
     def reset(self) -> None:
         """Forget all per-sequence state; called once at the start of ``generate``."""
 
-    def prepare(self, max_length: int, compile: bool = False) -> None:
+    def prepare(self, max_length: int, compile: bool = False, num_draft_tokens: int = 1) -> None:
         """Get ready for a sequence of at most ``max_length`` positions (drafts included):
-        preallocate caches and, with ``compile``, compile the draft step. Called by
-        ``generate`` after :meth:`reset`, before its clock starts; a drafter that is not
-        prepared (e.g. behind a wrapper) must still work, growing its caches as needed."""
+        preallocate caches and, with ``compile``, compile the draft step (for rounds of up to
+        ``num_draft_tokens`` drafted tokens). Called by ``generate`` after :meth:`reset`, before its
+        clock starts; a drafter that is not prepared (e.g. behind a wrapper) must still work, growing
+        its caches as needed."""
 
     def check_compatible(self, verifier: torch.nn.Module) -> None:
         """Raise :class:`DraftsmithError` if this drafter cannot serve ``verifier``."""
@@ -138,7 +139,8 @@ class NgramProposer(Proposer):
 
     def propose(self, ctx: DraftContext, k: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
-        tokens = ctx.tokens
+        # matched on the host: on a GPU each size's nonzero() would be a sync of its own, one copy is one
+        tokens = ctx.tokens if ctx.tokens.device.type == "cpu" else ctx.tokens.cpu()
         T = tokens.shape[0]
         if self.adaptive:
             self._learn(tokens)
@@ -156,8 +158,8 @@ class NgramProposer(Proposer):
                 if draft.numel():
                     if self.adaptive:
                         self._last = (T, draft.clone())
-                    return Proposal(draft)
-        return Proposal(tokens[:0])
+                    return Proposal(draft.to(ctx.tokens.device))
+        return Proposal(ctx.tokens[:0])
 
 
 class DraftModelProposer(Proposer):
@@ -179,7 +181,7 @@ class DraftModelProposer(Proposer):
             self.runner.rollback(0)
         self.seen = torch.empty(0, dtype=torch.long)  # tokens whose keys/values are cached
 
-    def prepare(self, max_length: int, compile: bool = False) -> None:
+    def prepare(self, max_length: int, compile: bool = False, num_draft_tokens: int = 1) -> None:
         from draftsmith.decoding.runner import verifier_runner
 
         if self.runner is not None:
@@ -271,7 +273,7 @@ class Eagle3Proposer(Proposer):
         if self.cache is not None:
             self.cache.length = 0
 
-    def prepare(self, max_length: int, compile: bool = False) -> None:
+    def prepare(self, max_length: int, compile: bool = False, num_draft_tokens: int = 1) -> None:
         self.compile_seconds = 0.0
         if compile and self._compiled is not None and self._compiled_version != weights_version(self.draft):
             self._compiled, self._warm = None, set()  # trained since: its graphs hold the old weights
@@ -284,7 +286,7 @@ class Eagle3Proposer(Proposer):
         self._ensure(max_length)
         self.cache.length = 0
         if compile and self._compiled is not None:
-            self._warmup()
+            self._warmup(num_draft_tokens)
 
     def _ensure(self, capacity: int) -> None:
         """Room for ``capacity`` positions: eager caches grow in place, compiled ones by bucket."""
@@ -325,16 +327,20 @@ class Eagle3Proposer(Proposer):
         cache.advance(m)
         return out
 
-    def _warmup(self) -> None:
+    def _warmup(self, num_draft_tokens: int = 1) -> None:
+        """Compile the draft step for its lengths before the clock starts: a round's first step reads the
+        1 to k + 1 tokens the last verify accepted, the others one. On the CPU one graph with a dynamic
+        length serves every m > 1; on CUDA each length records its own CUDA graph, so each is warmed."""
         t0 = time.perf_counter()
         did = False
         w = self.draft.fc.weight
         H = self.draft.config.hidden_size
-        for m in (1, 2):
-            key = (self.cache.capacity, m == 1)
+        cuda = w.device.type == "cuda"
+        for m in range(1, max(2, num_draft_tokens + 1) + 1) if cuda else (1, 2):
+            key = (self.cache.capacity, m if cuda else m == 1)
             if key in self._warm:
                 continue
-            for _ in range(3 if w.device.type == "cuda" else 1):
+            for _ in range(3 if cuda else 1):
                 self.cache.length = 0
                 ids = torch.zeros(1, m, dtype=torch.long, device=w.device)
                 self._step(ids, torch.zeros(1, m, H, dtype=w.dtype, device=w.device),

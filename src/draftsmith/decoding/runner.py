@@ -176,7 +176,9 @@ class _CompiledStep:
         did = False
         dev = cache.keys[0].device
         for m in shapes:
-            key = (cache.capacity, m if m == 1 or len(self.verify) > 1 else "verify", aux)
+            # one graph with a dynamic length serves every verify length on the CPU (unless its candidates
+            # are timed per length); on CUDA each length records a CUDA graph of its own
+            key = (cache.capacity, m if m == 1 or len(self.verify) > 1 or self.cuda else "verify", aux)
             if key in self.warm:
                 continue
             for _ in range(3 if self.cuda else 1):  # CUDA graph trees warm up, then record

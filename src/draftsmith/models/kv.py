@@ -80,6 +80,36 @@ def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
 
 
+#: Whether :func:`gqa_attention` folds a masked grouped-query call's query heads (None: off the CPU).
+FOLD_GQA: bool | None = None
+
+
+def gqa_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                  causal: bool = False) -> torch.Tensor:
+    """SDPA of queries ``[b, nh, m, hd]`` over keys/values ``[b, nkv, S, hd]`` with ``nkv`` dividing
+    ``nh``, under ``mask`` (``[m, S]``, boolean or additive) or ``causal``.
+
+    On the CPU through SDPA's ``enable_gqa`` (no K/V copies; its rounding is what the CPU tests pin
+    down). Elsewhere a masked call with grouped heads folds the ``rep = nh / nkv`` query heads of each
+    KV head into one sequence of ``rep * m`` queries under the mask tiled ``rep`` times: CUDA's fused
+    kernels take grouped heads only without a mask (flash) or a mask only without grouped heads
+    (memory-efficient), so ``enable_gqa`` with a mask runs the math kernel, which builds the whole
+    score matrix. transformers' masked one-token step folds the same way; a query row's result does
+    not depend on the other rows, so the two forms agree to rounding (tested on the CPU through
+    :data:`FOLD_GQA`).
+    """
+    nh, nkv = q.shape[1], K.shape[1]
+    fold = (q.device.type != "cpu") if FOLD_GQA is None else FOLD_GQA
+    if mask is None or nh == nkv or not fold:
+        return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=nh != nkv)
+    b, _, m, hd = q.shape
+    rep = nh // nkv
+    out = F.scaled_dot_product_attention(q.reshape(b, nkv, rep * m, hd), K, V, attn_mask=mask.repeat(rep, 1),
+                                         scale=scale)
+    return out.reshape(b, nh, m, hd)
+
+
 class KVCache:
     """Keys and values ``[1, nkv, S, hd]`` per layer, valid up to ``length``.
 
@@ -170,7 +200,7 @@ class KVCache:
 
         Returns:
             ``[1, nh, m, hd]``: causal attention (windowed where the layer has W) over the
-            cached and new positions; GQA through SDPA's ``enable_gqa``, no repeated K/V.
+            cached and new positions; grouped heads through :func:`gqa_attention`, no repeated K/V.
         """
         K, V = self.keys[i], self.values[i]
         if self.static:
@@ -179,7 +209,7 @@ class KVCache:
                 W = self.windows[i]
                 return cpu_attention.decode_attention(q, K, V, pos, W or 0, scale)
             keep = self.write_static(i, k, v, pos)
-            return F.scaled_dot_product_attention(q, K, V, attn_mask=keep, scale=scale, enable_gqa=True)
+            return gqa_attention(q, K, V, keep, scale)
         m = q.shape[2]
         start = self.length
         self.check_room(m)
@@ -286,8 +316,7 @@ class KVCache:
                                                      K[:, :, lo:end], V[:, :, lo:end], attn_mask=mask,
                                                      scale=scale)
                 return out.reshape(1, nh, 1, hd)
-        return F.scaled_dot_product_attention(q, K[:, :, lo:end], V[:, :, lo:end], attn_mask=mask,
-                                              is_causal=causal, scale=scale, enable_gqa=True)
+        return gqa_attention(q, K[:, :, lo:end], V[:, :, lo:end], mask, scale, causal=causal)
 
 
 class BatchKVCache:

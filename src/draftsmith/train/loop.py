@@ -136,6 +136,18 @@ class TrainResult:
 
 
 # ----------------------------------------------------------------------------- helpers
+def train_device(spec: str) -> torch.device:
+    """The device a training process runs on: ``auto`` is CUDA where there is one, else the CPU; a CUDA
+    device named without an index (``cuda``) is this process's GPU, ``LOCAL_RANK`` under torchrun and
+    0 alone (``torch.cuda.set_device`` refuses a device without an index)."""
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(spec)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
+
+
 class _Dist:
     """Rank/world and collective helpers; a no-op outside torchrun."""
 
@@ -147,13 +159,7 @@ class _Dist:
         self.dist = dist
         if self.world > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if torch.cuda.is_available() and device_spec != "cpu" else "gloo")
-        if device_spec == "auto":
-            if torch.cuda.is_available():
-                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            else:
-                self.device = torch.device("cpu")
-        else:
-            self.device = torch.device(device_spec)
+        self.device = train_device(device_spec)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
