@@ -181,13 +181,13 @@ def test_unpaired_ratio_is_a_negative_control():
 class _WrongDrafter(Proposer):
     """Drafts tokens the verifier almost never picks; raises KeyboardInterrupt at call ``stop_at``."""
 
-    def __init__(self, stop_at: int | None = None) -> None:
-        self.calls, self.stop_at = 0, stop_at
+    def __init__(self, stop_at: int | None = None, stop: type[KeyboardInterrupt] = KeyboardInterrupt) -> None:
+        self.calls, self.stop_at, self.stop = 0, stop_at, stop
 
     def propose(self, ctx, k, sampling, generator):
         self.calls += 1
         if self.stop_at is not None and self.calls >= self.stop_at:
-            raise KeyboardInterrupt
+            raise self.stop
         return Proposal((ctx.tokens[-1] + 1 + torch.arange(k)) % 128)
 
 
@@ -471,6 +471,22 @@ def test_ctrl_c_leaves_a_partial_report(tiny, tmp_path):
     assert [r["name"] for r in report["rows"]] == ["plain (ours)"]
     assert report["prompts"]["runs"] == 1 and report["prompts"]["requested"] == 3
     assert "PARTIAL" in (tmp_path / "report.md").read_text()
+    assert "Plots:" in (tmp_path / "report.md").read_text()
+
+
+def test_sigterm_in_the_calibration_leaves_a_partial_report_that_says_so(tiny, tmp_path):
+    """SIGTERM (raised as errors.Terminated) before any timed row: the partial report says SIGTERM, links
+    no plots (none are drawn without rows), and the exception names the report written."""
+    from draftsmith.errors import Terminated
+
+    cfg = _cfg(tmp_path, num_draft_tokens=[3], num_prompts=3, warmup_tokens=10, hf_reference=False)
+    with pytest.raises(Terminated) as e:
+        benchmark(tiny, _prompts(3), {"wrong": _WrongDrafter(stop_at=2, stop=Terminated)}, cfg, tmp_path, {})
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["partial"] is True and report["note"] == "interrupted (SIGTERM)" and report["rows"] == []
+    md = (tmp_path / "report.md").read_text()
+    assert "interrupted (SIGTERM)" in md and "Plots:" not in md and not list(tmp_path.glob("*.png"))
+    assert e.value.partial_report == tmp_path / "report.md"
 
 
 # ----------------------------------------------------------------------------- config, CLI, prompts

@@ -31,6 +31,97 @@ def test_bad_input_is_one_line(args, needle, capsys):
     assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+#: each command's least arguments (DIR: a directory, to be filled in), with where its --out goes
+LEAST_ARGS = {
+    "generate": (["generate", "--verifier", "smollm2-135m", "--prompt", "hi"], None),
+    "data": (["data", "--dataset", "sharegpt"], "dir"),
+    "train": (["train", "--verifier", "smollm2-135m", "--data", "DIR"], "dir"),
+    "bench": (["bench", "--verifier", "smollm2-135m", "--drafter", "ngram"], "dir"),
+    "eval": (["eval", "--verifier", "smollm2-135m", "--draft", "DIR"], "file"),
+    "export": (["export", "DIR"], "dir"),
+    "kfp compile": (["kfp", "compile"], "file"),
+    "kfp trainjob": (["kfp", "trainjob", "--verifier", "smollm2-135m", "--data", "DIR"], "file"),
+}
+
+
+@pytest.mark.parametrize("name", list(LEAST_ARGS))
+def test_a_bad_device_or_an_out_of_the_wrong_kind_is_refused_before_any_work(name, tmp_path, monkeypatch, capsys):
+    """A typo'd --device and an --out where a file is and a directory goes (or the reverse) are one-line
+    errors before the command starts (it used to run first and fail writing its results)."""
+    from draftsmith import cli
+
+    args, out_kind = LEAST_ARGS[name]
+    args = [str(tmp_path) if a == "DIR" else a for a in args]
+
+    def never(cfg):
+        raise AssertionError(f"{name} ran")
+
+    monkeypatch.setattr(cli.COMMANDS[name], "run", never)
+    a_file, a_dir = tmp_path / "a-file.yaml", tmp_path / "a-dir"
+    a_file.write_text("x")
+    a_dir.mkdir()
+    fields = {f.name for f in __import__("dataclasses").fields(cli.COMMANDS[name].config)}
+    good_out = ["--out", str(tmp_path / "new" / ("out" if out_kind == "dir" else "out.yaml"))] if out_kind else []
+    if "device" in fields:
+        rc, err = _run(args + good_out + ["--device", "gpu0"], capsys)
+        assert rc == EXIT_ERROR and "--device: unknown device 'gpu0'" in err and len(err.strip().splitlines()) == 1
+    if out_kind is not None:
+        wrong = a_file if out_kind == "dir" else a_dir
+        rc, err = _run(args + ["--out", str(wrong)], capsys)
+        assert rc == EXIT_ERROR and f"--out {wrong}" in err and len(err.strip().splitlines()) == 1, err
+        rc, err = _run(args + ["--out", str(a_file / "under")], capsys)
+        assert rc == EXIT_ERROR and "is a file" in err, err
+    with pytest.raises(AssertionError, match="ran"):  # control: right input reaches the command
+        main(args + good_out)
+
+
+def test_export_does_not_replace_a_directory_that_holds_other_files(tmp_path, capsys):
+    """export replaces its --out whole: a directory with files that are no draft's is refused (it was
+    emptied); a new directory, the draft itself and an earlier export are written."""
+    from draft_factory import random_draft
+
+    from conftest import tiny_model
+    from draftsmith.export import save_draft
+
+    draft = tmp_path / "draft"
+    save_draft(random_draft(tiny_model("llama", layers=8)), draft, num_draft_tokens=2)
+    precious = tmp_path / "precious"
+    (precious / "sub").mkdir(parents=True)
+    (precious / "notes.txt").write_text("mine")
+    rc, err = _run(["export", str(draft), "--out", str(precious)], capsys)
+    assert rc == EXIT_ERROR and "notes.txt, sub" in err and (precious / "notes.txt").read_text() == "mine"
+    for out in (tmp_path / "new", tmp_path / "new", draft):  # a new one, then again over it, then in place
+        rc, err = _run(["export", str(draft), "--out", str(out)], capsys)
+        assert rc == 0 and (out / "model.safetensors").is_file(), err
+
+
+def test_messages_name_the_range_and_the_value_and_point_at_the_right_directory(tmp_path, capsys):
+    rc, err = _run(["train", "--verifier", "smollm2-135m", "--data", str(tmp_path), "--epochs", "0",
+                    "--val-fraction", "1.5"], capsys)
+    assert rc == EXIT_ERROR and "--epochs must be > 0, got 0.0" in err and "--val-fraction must be in [0, 1), got 1.5" in err
+    from draftsmith.data.shards import read_manifest
+    from draftsmith.errors import DraftsmithError
+
+    (tmp_path / "capture" / "shards").mkdir(parents=True)
+    (tmp_path / "capture" / "shards" / "manifest.json").write_text("{}")
+    with pytest.raises(DraftsmithError, match="did you mean .*capture/shards"):
+        read_manifest(tmp_path / "capture")
+    with pytest.raises(DraftsmithError, match="does not exist"):
+        read_manifest(tmp_path / "nothing")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing yet\n")
+    rc, err = _run(["pipeline", "run", str(empty), "--out", str(tmp_path / "o")], capsys)
+    assert rc == EXIT_ERROR and "is empty" in err
+
+
+def test_verbose_flag_after_the_command(capsys):
+    from draftsmith.cli import build_parser
+
+    assert build_parser().parse_args(["generate", "-v", "--verifier", "x", "--prompt", "p"]).verbose is True
+    assert build_parser().parse_args(["-v", "generate", "--verifier", "x", "--prompt", "p"]).verbose is True
+    assert build_parser().parse_args(["generate", "--verifier", "x", "--prompt", "p"]).verbose is False
+
+
 def test_corrupt_gguf(tmp_path, capsys):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 64)

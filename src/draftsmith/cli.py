@@ -8,13 +8,14 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Literal
 
 from draftsmith.bench import BenchConfig, run_bench
 from draftsmith.bench.run import BENCH_LAYOUTS
 from draftsmith.config import add_arguments, from_args, opt
 from draftsmith.drafters import DRAFTER_HELP
-from draftsmith.errors import DraftsmithError, GateFailed
+from draftsmith.errors import DraftsmithError, GateFailed, Terminated
 from draftsmith.evaluate import EvalConfig, run_eval
 from draftsmith.models.quantize import DRAFT_PRECISIONS
 from draftsmith.pipeline.config import DataSection
@@ -196,6 +197,22 @@ class ExportConfig:
                 raise DraftsmithError(f"--out {self.out!r}: --format gguf writes one file; name it *.gguf")
 
 
+#: Files of an exported draft directory (:func:`draftsmith.export.save_draft`): what export may replace.
+DRAFT_DIR_FILES = frozenset({"config.json", "model.safetensors", "draftsmith.json", "README.md"})
+
+
+def check_replaceable(out: Path, draft: Path) -> None:
+    """export replaces ``out`` whole: refuse a non-empty directory that is neither the draft itself nor
+    an earlier export (its files among :data:`DRAFT_DIR_FILES`), which would be deleted with its contents."""
+    if not out.is_dir() or out.resolve() == draft.resolve():
+        return
+    others = sorted(p.name for p in out.iterdir() if p.name not in DRAFT_DIR_FILES)
+    if others:
+        shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+        raise DraftsmithError(f"--out {out}: the directory holds files that are not a draft's ({shown}); export "
+                              "replaces the whole directory: name a new or empty one, or a draft export")
+
+
 def run_export(cfg: ExportConfig) -> int:
     from pathlib import Path
 
@@ -210,6 +227,7 @@ def run_export(cfg: ExportConfig) -> int:
               f"llama-server -m VERIFIER.gguf -md {Path(out).resolve()} --spec-type draft-eagle3 "
               "--spec-draft-n-max K --spec-draft-p-min 0")
         return 0
+    check_replaceable(Path(cfg.out), Path(cfg.draft))
     previous = read_provenance(cfg.draft) or {}
     verifier = fp = layers = None
     if cfg.verifier is not None:
@@ -245,25 +263,41 @@ class Command:
     help: str
     # flag defaults read from files the command line names (e.g. --config); explicit flags still win
     defaults: Callable[[argparse.Namespace], dict[str, Any]] | None = None
+    # what its --out names, checked before any work (:func:`preflight`): "dir", "file", or per config
+    out: str | Callable[[Any], str] | None = None
 
 
 COMMANDS: dict[str, Command] = {
     "generate": Command(GenerateConfig, run_generate, "generate text, optionally with a drafter"),
-    "data": Command(DataConfig, run_data, "regenerate responses with the verifier and capture hidden states"),
-    "train": Command(TrainConfig, run_train, "train an EAGLE-3 draft on captured shards"),
+    "data": Command(DataConfig, run_data, "regenerate responses with the verifier and capture hidden states",
+                    out="dir"),
+    "train": Command(TrainConfig, run_train, "train an EAGLE-3 draft on captured shards", out="dir"),
     "pipeline run": Command(PipelineRunConfig, run_pipeline_cli,
                             "the whole job: data -> train -> bench -> gate -> export"),
     "refresh": Command(RefreshConfig, refresh_cli, "retrain a draft after the verifier changed"),
     "bench": Command(BenchConfig, run_bench, "measure drafters vs plain decoding: speedup, acceptance, "
-                     "break-even; write report.json, report.md and plots"),
+                     "break-even; write report.json, report.md and plots", out="dir"),
     "eval": Command(EvalConfig, run_eval, "teacher-forced acceptance of drafts on held-out prompts, in seconds "
-                    "(no timing)"),
+                    "(no timing)", out="file"),
     "export": Command(ExportConfig, run_export, "write a draft in the speculators format vLLM serves, or as the GGUF "
-                      "llama.cpp serves"),
-    "kfp compile": Command(KfpCompileConfig, compile_cli, "compile the pipeline for Kubeflow Pipelines v2 (YAML)"),
+                      "llama.cpp serves", out=lambda cfg: "file" if cfg.format == "gguf" else "dir"),
+    "kfp compile": Command(KfpCompileConfig, compile_cli, "compile the pipeline for Kubeflow Pipelines v2 (YAML)",
+                           out="file"),
     "kfp trainjob": Command(KfpTrainJobConfig, trainjob_cli, "write a Kubeflow Trainer TrainJob for multi-node "
-                            "training (torchrun)", defaults=trainjob_defaults),
+                            "training (torchrun)", defaults=trainjob_defaults, out="file"),
 }
+
+
+def preflight(cmd: Command, cfg: Any) -> None:
+    """What every command checks before it loads a model: a device string torch can parse, and an
+    ``--out`` it can write (a directory where a directory goes, a file where a file goes)."""
+    from draftsmith.utils import check_device_name, check_out_path
+
+    if isinstance(getattr(cfg, "device", None), str):
+        check_device_name(cfg.device)
+    kind = cmd.out(cfg) if callable(cmd.out) else cmd.out
+    if kind and getattr(cfg, "out", None):
+        check_out_path(cfg.out, kind)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -286,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p = sub.add_parser(name, help=cmd.help, description=cmd.config.__doc__)
         add_arguments(p, cmd.config)
+        # also after the command (`draftsmith bench -v ...`); SUPPRESS keeps a -v given before it
+        p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log progress details")
         p.set_defaults(_command=cmd)
     return parser
 
@@ -297,11 +333,6 @@ def _quiet_libraries(verbose: bool) -> None:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (what ``kill``, Kubernetes and batch schedulers send before SIGKILL), raised as an
-    interrupt so every step takes its Ctrl-C path: checkpoint, partial report, clean exit."""
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
@@ -320,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd: Command = ns._command
     try:
         cfg = from_args(cmd.config, ns, cmd.defaults(ns) if cmd.defaults else None)
+        preflight(cmd, cfg)
         return cmd.run(cfg) or 0
     except GateFailed as e:
         print(f"draftsmith: gate failed: {e}", file=sys.stderr)

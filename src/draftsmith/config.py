@@ -35,6 +35,17 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def check_ranges(cfg: Any, rules: dict[str, tuple[bool, str]]) -> None:
+    """Refuse every flag whose rule failed, each with what it must be and the value given.
+
+    ``rules`` maps a flag (``--epochs``, the field ``epochs``) to (whether its value is valid, what
+    it must be: ``"> 0"``, ``"in [0, 1)"``)."""
+    bad = [f"{flag} must be {need}, got {getattr(cfg, flag[2:].replace('-', '_'))!r}"
+           for flag, (ok, need) in rules.items() if not ok]
+    if bad:
+        raise DraftsmithError("; ".join(bad))
+
+
 def _unwrap(tp: Any) -> tuple[Any, bool]:
     """(inner type, optional?) for ``X | None`` / ``Optional[X]``."""
     origin = get_origin(tp)
@@ -126,12 +137,17 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise DraftsmithError(f"config file {p} not found")
+    if not p.is_file():
+        raise DraftsmithError(f"config file {p} is not a regular file")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
         raise DraftsmithError(f"config file {p} is not valid YAML: {e}") from None
+    if data is None:  # empty, or comments only: most likely not the file meant (the defaults need no file)
+        raise DraftsmithError(f"config file {p} is empty; give at least one setting (e.g. `verifier: ...`), "
+                              "or leave the file out to run the defaults")
     if not isinstance(data, dict):
         raise DraftsmithError(f"config file {p} must hold a mapping at the top level")
     return data

@@ -12,3 +12,13 @@ class DraftsmithError(Exception):
 
 class GateFailed(DraftsmithError):
     """The draft was measured and did not pay off (not an error in the run)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what ``kill``, Kubernetes and batch schedulers send before SIGKILL), raised as an
+    interrupt so every step takes its Ctrl-C path: checkpoint, partial report, clean exit."""
+
+
+def interruption(e: BaseException) -> str:
+    """How a run was stopped, for its messages and partial reports."""
+    return "interrupted (SIGTERM)" if isinstance(e, Terminated) else "interrupted (Ctrl-C)"

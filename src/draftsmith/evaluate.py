@@ -27,7 +27,7 @@ from typing import Any, Iterator, NamedTuple
 
 import torch
 
-from draftsmith.config import opt
+from draftsmith.config import check_ranges, opt
 from draftsmith.errors import DraftsmithError
 
 
@@ -53,12 +53,10 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if not self.draft:
             raise DraftsmithError("--draft: name at least one draft directory")
-        checks = {"--num-draft-tokens": self.num_draft_tokens >= 1, "--max-new-tokens": self.max_new_tokens >= 1,
-                  "--check-engine": self.check_engine >= 0,
-                  "--num-prompts": self.num_prompts is None or self.num_prompts >= 1}
-        bad = [k for k, ok in checks.items() if not ok]
-        if bad:
-            raise DraftsmithError(f"invalid value for {', '.join(bad)}")
+        check_ranges(self, {"--num-draft-tokens": (self.num_draft_tokens >= 1, ">= 1"),
+                            "--max-new-tokens": (self.max_new_tokens >= 1, ">= 1"),
+                            "--check-engine": (self.check_engine >= 0, ">= 0"),
+                            "--num-prompts": (self.num_prompts is None or self.num_prompts >= 1, ">= 1")})
 
 
 class Acceptance(NamedTuple):

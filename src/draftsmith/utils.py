@@ -68,6 +68,21 @@ def check_device_name(device: str, flag: str = "--device") -> None:
         raise DraftsmithError(f"{flag}: unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
 
 
+def check_out_path(out: str | Path, kind: str, flag: str = "--out") -> None:
+    """Refuse, before any work, an output the command could not write at the end: ``kind`` "dir" (a
+    directory, made if missing) or "file"; a path under a file, or without write permission."""
+    out = Path(out)
+    if kind == "dir" and out.exists() and not out.is_dir():
+        raise DraftsmithError(f"{flag} {out}: a file is there; this command writes a directory (name a new one)")
+    if kind == "file" and out.is_dir():
+        raise DraftsmithError(f"{flag} {out}: a directory is there; this command writes a file (name one)")
+    probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
+    if not probe.is_dir() and probe != out:
+        raise DraftsmithError(f"{flag} {out}: {probe} is a file, so nothing can be written under it")
+    if not os.access(probe if probe.is_dir() else probe.parent, os.W_OK):
+        raise DraftsmithError(f"{flag} {out}: no write permission on {probe}")
+
+
 def cpu_has_amx(onednn_limit: bool = True) -> bool:
     """Whether bfloat16 matmuls run on AMX here (then ~10x float32's speed; without it, far slower).
 

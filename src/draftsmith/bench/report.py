@@ -605,7 +605,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                          + (f"(our row {a['ours_row']}) " if other else "") +
                          f"({100 * (a['ratio'] - 1):+.0f}%; target within 10%)"
                          + (f"; per position {' '.join(f'{x:.2f}' for x in pos)}" if pos else ""))
-    lines += ["", "Plots: " + ", ".join(f"[{p}]({p})" for p in PLOTS) + ". All numbers: report.json."]
+    lines += ["", ("Plots: " + ", ".join(f"[{p}]({p})" for p in PLOTS) + ". " if report["rows"] else "")
+              + "All numbers: report.json."]  # (no rows, no plots: write_report)
     choose = report.get("which_to_choose") or []
     if choose:
         lines += ["", "## Which to choose (speedup over full-precision plain decoding)", "",

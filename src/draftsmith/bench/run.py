@@ -20,7 +20,7 @@ from draftsmith.decoding.proposers import Eagle3Proposer, Proposer
 from draftsmith.decoding.runner import shared_aux_layers, shared_aux_outputs
 from draftsmith.drafters import DRAFTER_HELP
 from draftsmith.engines import ENGINES, OURS
-from draftsmith.errors import DraftsmithError
+from draftsmith.errors import DraftsmithError, interruption
 from draftsmith.models.quantize import DRAFT_PRECISIONS, QUANTIZATIONS, quantize_draft
 from draftsmith.models.verifier import WEIGHT_LAYOUTS, weight_layouts
 
@@ -309,9 +309,10 @@ def _measure(state: BenchState, model: torch.nn.Module, proposers: dict[str, Pro
         if cfg.temperature == 0:
             judge_outputs(state, model)
         judge_quality(state, model, greedy=cfg.temperature == 0)
-    except KeyboardInterrupt:
-        state.partial, state.note = True, "interrupted (Ctrl-C)"
+    except KeyboardInterrupt as e:
+        state.partial, state.note = True, interruption(e)
         write_report(build_report(state, cfg, provenance), out_dir)
+        e.partial_report = out_dir / "report.md"  # type: ignore[attr-defined]
         raise
     report = build_report(state, cfg, provenance)
     write_report(report, out_dir)
@@ -336,6 +337,9 @@ def _run_bench(cfg: BenchConfig) -> int:
 
     model, tokenizer, fp = load_verifier(cfg.verifier, dtype=cfg.dtype, device=cfg.device)
     prompts, pilot = bench_prompts(cfg.dataset, tokenizer, cfg.num_prompts, cfg.pilot_prompts if cfg.choose_k else 0)
+    if len(prompts) < cfg.num_prompts:
+        print(f"bench: {cfg.dataset} holds {len(prompts)} usable prompts; measuring those {len(prompts)} "
+              f"(--num-prompts {cfg.num_prompts} asked for more)", file=sys.stderr)
     proposers: dict[str, Proposer] = {}
     for spec in cfg.drafter:
         proposers[spec] = build_proposer(spec, model, tokenizer, dtype=cfg.dtype)
@@ -345,8 +349,10 @@ def _run_bench(cfg: BenchConfig) -> int:
     provenance = {"verifier": cfg.verifier, "fingerprint": fp, "command": command_line(), "dataset": cfg.dataset}
     try:
         report = benchmark(model, prompts, proposers, cfg, Path(cfg.out), provenance, draft_dirs, pilot)
-    except KeyboardInterrupt:
-        print(f"bench: partial report written to {cfg.out}/report.md", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        written = getattr(e, "partial_report", None)
+        print(f"bench: partial report written to {written}" if written else
+              "bench: stopped before its timed runs; no report written", file=sys.stderr)
         raise
     print(render_markdown(report))
     return 0

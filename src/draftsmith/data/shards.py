@@ -117,8 +117,14 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         DraftsmithError: no manifest, unreadable or not a draftsmith capture manifest.
     """
     path = Path(directory) / MANIFEST
+    if not Path(directory).exists():
+        raise DraftsmithError(f"{directory} does not exist (a capture directory: `draftsmith data` makes one, "
+                              "OUT/shards)")
     if not path.is_file():
-        raise DraftsmithError(f"{directory} is not a capture directory: {MANIFEST} is missing (run capture first)")
+        below = sorted(p.parent for p in Path(directory).glob(f"*/{MANIFEST}")) if Path(directory).is_dir() else []
+        hint = f"; did you mean {below[0]}?" if len(below) == 1 else (
+            f"; capture directories below it: {', '.join(map(str, below[:3]))}" if below else " (run capture first)")
+        raise DraftsmithError(f"{directory} is not a capture directory: {MANIFEST} is missing{hint}")
     try:
         manifest = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable, NamedTuple
 
-from draftsmith.data.chat import encode_chat, encode_prompt
+from draftsmith.data.chat import check_chat_template, encode_chat, encode_prompt
 from draftsmith.data.conversation import Conversation, Message
 from draftsmith.errors import DraftsmithError
 
@@ -45,6 +45,7 @@ def render_chat(tokenizer: Any, messages: list[Message], add_generation_prompt: 
     """
     import jinja2
 
+    check_chat_template(tokenizer)
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except jinja2.exceptions.TemplateError as e:  # the template's own raise_exception, e.g. role order
@@ -169,8 +170,7 @@ def tokenize_conversation(tokenizer: Any, messages: list[Message], max_length: i
             is too long and ``truncate`` is off.
         DraftsmithError: no assistant turn, no chat template, unusable template.
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise DraftsmithError("the verifier's tokenizer has no chat template; cannot build chat training data")
+    check_chat_template(tokenizer)
     if not any(m["role"] == "assistant" for m in messages):
         raise DraftsmithError("conversation has no assistant turn: nothing to train on (regenerate replies "
                               "with the verifier first)")

@@ -481,7 +481,8 @@ def plan_for(cfg: Any, v: Any, vd: Any, out: Path, say: Any = print) -> Plan:
     if plan is not None:
         say(f"[plan] reusing {path} (same budget, machine and configuration)")
         return plan
-    say(f"[plan] measuring this machine for a {cfg.budget:g}-minute budget ...")
+    say(f"[plan] measuring this machine for a {cfg.budget:g}-minute budget (a regeneration batch, capture, "
+        "training steps and decodes: about a minute on 2 CPU cores; then the plan, or what the budget lacks) ...")
     rates = calibrate(vd, v, cfg.data, cfg.train, cfg.bench, Path(out) / "calibration")
     drafts = 2 if cfg.previous_draft else 1
     rows = bench_row_count(cfg.bench, drafts=drafts)

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Literal
 
 import torch
 
-from draftsmith.config import opt, to_dict
+from draftsmith.config import check_ranges, opt, to_dict
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.eagle3 import Eagle3Config, Eagle3Draft
 from draftsmith.models.vocab import coverage, grow_vocab, select_vocab, token_counts
@@ -73,21 +73,20 @@ class TrainSettings:
     def __post_init__(self) -> None:
         if not 1 <= self.ttt_steps <= 7:
             raise DraftsmithError(f"--ttt-steps must be in 1..7, got {self.ttt_steps}")
-        checks = {"--lr": self.lr > 0, "--epochs": self.epochs > 0, "--pack-tokens": self.pack_tokens >= 8,
-                  "--grad-accum": self.grad_accum >= 1, "--draft-vocab-size": self.draft_vocab_size >= 1,
-                  "--val-fraction": 0 <= self.val_fraction < 1, "--eval-every": self.eval_every >= 1,
-                  "--checkpoint-every": self.checkpoint_every >= 1, "--step-weight": self.step_weight > 0,
-                  "--eval-steps": self.eval_steps >= 1, "--weight-decay": self.weight_decay >= 0, "--seed": self.seed >= 0,
-                  "--warmup-ratio": 0 <= self.warmup_ratio < 1, "--min-lr-ratio": 0 <= self.min_lr_ratio <= 1,
-                  "--grad-clip": self.grad_clip > 0,
-                  "--max-steps": self.max_steps is None or self.max_steps >= 1,
-                  "--max-minutes": self.max_minutes is None or self.max_minutes > 0,
-                  "--target-minutes": self.target_minutes is None or self.target_minutes > 0,
-                  "--draft-intermediate-size": self.draft_intermediate_size is None
-                  or self.draft_intermediate_size >= 1}
-        bad = [k for k, ok in checks.items() if not ok]
-        if bad:
-            raise DraftsmithError(f"invalid value for {', '.join(bad)}")
+        check_ranges(self, {
+            "--lr": (self.lr > 0, "> 0"), "--epochs": (self.epochs > 0, "> 0"),
+            "--pack-tokens": (self.pack_tokens >= 8, ">= 8"), "--grad-accum": (self.grad_accum >= 1, ">= 1"),
+            "--draft-vocab-size": (self.draft_vocab_size >= 1, ">= 1"),
+            "--val-fraction": (0 <= self.val_fraction < 1, "in [0, 1)"), "--eval-every": (self.eval_every >= 1, ">= 1"),
+            "--checkpoint-every": (self.checkpoint_every >= 1, ">= 1"), "--step-weight": (self.step_weight > 0, "> 0"),
+            "--eval-steps": (self.eval_steps >= 1, ">= 1"), "--weight-decay": (self.weight_decay >= 0, ">= 0"),
+            "--seed": (self.seed >= 0, ">= 0"), "--warmup-ratio": (0 <= self.warmup_ratio < 1, "in [0, 1)"),
+            "--min-lr-ratio": (0 <= self.min_lr_ratio <= 1, "in [0, 1]"), "--grad-clip": (self.grad_clip > 0, "> 0"),
+            "--max-steps": (self.max_steps is None or self.max_steps >= 1, ">= 1"),
+            "--max-minutes": (self.max_minutes is None or self.max_minutes > 0, "> 0"),
+            "--target-minutes": (self.target_minutes is None or self.target_minutes > 0, "> 0"),
+            "--draft-intermediate-size": (self.draft_intermediate_size is None or self.draft_intermediate_size >= 1,
+                                          ">= 1")})
         if self.extend_vocab and not self.init_from:
             raise DraftsmithError("--extend-vocab grows a warm-started draft's vocabulary: it needs --init-from "
                                   "(a fresh draft takes --draft-vocab-size as it is)")
