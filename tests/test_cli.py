@@ -93,6 +93,8 @@ def test_export_does_not_replace_a_directory_that_holds_other_files(tmp_path, ca
     for out in (tmp_path / "new", tmp_path / "new", draft):  # a new one, then again over it, then in place
         rc, err = _run(["export", str(draft), "--out", str(out)], capsys)
         assert rc == 0 and (out / "model.safetensors").is_file(), err
+    rc, err = _run(["generate", "--verifier", str(draft), "--prompt", "hi"], capsys)  # a draft is no verifier
+    assert rc == EXIT_ERROR and "is an EAGLE-3 draft" in err and "--drafter" in err
 
 
 def test_messages_name_the_range_and_the_value_and_point_at_the_right_directory(tmp_path, capsys):

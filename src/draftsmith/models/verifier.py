@@ -90,6 +90,14 @@ def resolve_spec(spec: str | os.PathLike) -> Path:
         return _gguf_to_hf_dir(path)
     if path.is_dir():
         if (path / "config.json").is_file():
+            try:
+                is_draft = "speculators_config" in json.loads((path / "config.json").read_text())
+            except (OSError, ValueError):
+                is_draft = False  # transformers says what is wrong with it
+            if is_draft:
+                raise DraftsmithError(f"verifier {text!r} is an EAGLE-3 draft (a speculators config), not a model "
+                                      "to verify with: pass it as the draft (--drafter / --draft) and name the "
+                                      "model it was trained for as --verifier")
             return path
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
