@@ -24,6 +24,8 @@ def _run(args, capsys):
     (["generate", "--verifier", "smollm2-135m", "--prompt", "hi", "--num-draft-tokens", "0"], "--num-draft-tokens"),
     (["generate", "--verifier", "smollm2-135m", "--prompt", "hi", "--drafter", "what"], "unknown --drafter"),
     (["pipeline", "run", "/nonexistent.yaml"], "not found"),
+    (["bench", "--verifier", "smollm2-135m", "--drafter", "ngram", "--draft-precision", "int8", "--out",
+      "runs/never-written"], "applies to EAGLE-3 drafts"),
 ])
 def test_bad_input_is_one_line(args, needle, capsys):
     rc, err = _run(args, capsys)

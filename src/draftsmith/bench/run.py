@@ -346,6 +346,10 @@ def _run_bench(cfg: BenchConfig) -> int:
     draft_dirs = {f"eagle3:{Path(d).name}": Path(d) for d in cfg.draft}
     for label, d in draft_dirs.items():
         proposers[label] = build_proposer(str(d), model, tokenizer, dtype=cfg.dtype)
+    asked = [p for p in cfg.draft_precision if p != "as-loaded"]
+    if asked and not any(isinstance(p, Eagle3Proposer) for p in proposers.values()):
+        raise DraftsmithError(f"--draft-precision {' '.join(asked)} applies to EAGLE-3 drafts, and none is "
+                              "measured here: add one (--draft DIR) or drop the flag")
     provenance = {"verifier": cfg.verifier, "fingerprint": fp, "command": command_line(), "dataset": cfg.dataset}
     try:
         report = benchmark(model, prompts, proposers, cfg, Path(cfg.out), provenance, draft_dirs, pilot)
