@@ -376,6 +376,7 @@ def test_layout_probe_is_priced_for_auto_only():
     assert B.layout_probe_seconds(FAST, auto) == pytest.approx(6 * (prefill + steps * FAST.decode_per_token))
     assert B.layout_probe_seconds(FAST, BenchSettings(weight_layout="out-in")) == 0.0
     assert B.layout_probe_seconds(FAST, BenchSettings(compile=True)) == 0.0  # compiled: nothing to probe
+    assert B.layout_probe_seconds(FAST, auto, on_cpu=False) == 0.0  # off the CPU: the loaded layout only
 
 
 def test_price_calibration_counts_every_draft_precision_and_k():

@@ -87,3 +87,20 @@ def test_train_epochs_negative_is_refused_before_any_step():
     """The case a user hit: `train: {epochs: -1}` used to regenerate for minutes before failing."""
     with pytest.raises(DraftsmithError, match="train.epochs"):
         build_config(None, {"train": {"epochs": -1}})
+
+
+def test_int8_rows_on_a_gpu_run_are_refused_when_the_config_is_read(monkeypatch):
+    """bench.draft_precision / bench.quantize int8 run on the CPU only: a pipeline whose device is a GPU says so
+    before its data and training (the bench refused them at its start); a CPU run takes them."""
+    import torch
+
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.pipeline.config import build_config
+
+    for over in ({"draft_precision": ["as-loaded", "int8"]}, {"quantize": ["int8"]}):
+        assert build_config(None, {"device": "cpu", "bench": over}).device == "cpu"
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        with pytest.raises(DraftsmithError, match="int8 runs on the CPU"):
+            build_config(None, {"device": "cuda", "bench": over})
+        assert build_config(None, {"device": "cuda"}).device == "cuda"  # nothing CPU-only asked: taken
+        monkeypatch.undo()

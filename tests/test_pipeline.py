@@ -462,3 +462,31 @@ def test_refresh_line_says_when_a_draft_stopped_early(tmp_path, capsys):
         out = capsys.readouterr().out
         assert "refresh: acceptance length 1.30 -> 1.60" in out
         assert (shown in out) if shown else "drafted" not in out
+
+
+@pytest.mark.parametrize("data_dtype, shared", [("float32", True), ("bfloat16", False)])
+def test_one_verifier_copy_serves_data_and_bench_when_their_dtypes_agree(tmp_path, monkeypatch, data_dtype, shared):
+    """The data steps' verifier is the bench's own object when both resolve to one dtype (on CUDA both
+    are bfloat16: an 8B verifier loaded twice would take 32 GB of the GPU); a second copy otherwise."""
+    from draftsmith.pipeline import runner, steps
+    from draftsmith.pipeline.config import build_config
+
+    made = []
+
+    class Stop(Exception):
+        pass
+
+    class Recorded(steps.Verifier):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+        @property
+        def fingerprint(self):  # the run's first use of a verifier: stop there
+            raise Stop
+
+    monkeypatch.setattr(steps, "Verifier", Recorded)
+    path = _config(tmp_path, tmp_path / "no-model-needed", "o", data__dtype=data_dtype)
+    with pytest.raises(Stop):
+        runner.run(build_config(str(path), {}))
+    assert [m.dtype for m in made] == (["auto"] if shared else ["auto", "bfloat16"])

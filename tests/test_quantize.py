@@ -388,3 +388,18 @@ def test_load_draft_at_int8_from_a_saved_draft(tmp_path):
     plain = generate(verifier, prompt, max_new_tokens=20, eos_token_id=[]).token_ids
     assert generate(verifier, prompt, proposer=q, max_new_tokens=20, num_draft_tokens=3,
                     eos_token_id=[]).token_ids == plain
+
+
+def test_parameters_to_keeps_the_rotary_tables_in_float32():
+    """The int4 copy goes to bfloat16 by its parameters only: ``Module.to(bfloat16)`` would round the
+    rotary ``inv_freq`` buffers transformers keeps in float32 (control: it does)."""
+    from draftsmith.models.quantize import parameters_to
+
+    model = tiny_model("llama")
+    inv = model.model.rotary_emb.inv_freq.clone()
+    assert inv.dtype == torch.float32
+    rounded = copy.deepcopy(model).to(torch.bfloat16)
+    assert rounded.model.rotary_emb.inv_freq.dtype == torch.bfloat16  # the control
+    q = parameters_to(copy.deepcopy(model), torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in q.parameters())
+    assert torch.equal(q.model.rotary_emb.inv_freq, inv)

@@ -303,12 +303,21 @@ def engine_rows(stack: contextlib.ExitStack, engines: Sequence[str], model: torc
     from draftsmith.engines import open_engine
 
     rows: list[Row] = []
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    param = next(model.parameters())
+    dtype, device = str(param.dtype).removeprefix("torch."), param.device
+    share = None
+    if device.type == "cuda" and "vllm" in engines:
+        # every vLLM server runs at once (the rows are timed in turn per prompt): each gets an equal
+        # part of the memory free now, which vLLM checks at its start against its share of the whole
+        servers = 1 + sum(len(ks_of(label, ks, chosen)) for label in drafts)
+        free, total = torch.cuda.mem_get_info(device)
+        share = 0.9 * free / total / servers
     for engine in engines:
         if engine == OURS:
             continue
         start = lambda d=None, k=3: stack.enter_context(open_engine(  # noqa: E731
-            engine, verifier, d, k, work_dir=work_dir, threads=threads, dtype=dtype))
+            engine, verifier, d, k, work_dir=work_dir, threads=threads, dtype=dtype, device=device.type,
+            gpu_share=share))
         print(f"bench: starting {engine} (plain) ...", file=sys.stderr)
         rows.append(EngineRow(f"{engine} plain", "plain", model, start(), engine))
         for label, d in drafts.items():

@@ -19,7 +19,8 @@ ENGINES = (OURS, "vllm", "llama.cpp")
 
 
 def open_engine(name: str, verifier: str, draft: str | Path | None = None, k: int = 3, *,
-                work_dir: str | Path, threads: int | None = None, dtype: str = "float32") -> Any:
+                work_dir: str | Path, threads: int | None = None, dtype: str = "float32", device: str = "cpu",
+                gpu_share: float | None = None) -> Any:
     """A serving engine's server for ``verifier`` (not started; use it as a context manager).
 
     Args:
@@ -30,11 +31,14 @@ def open_engine(name: str, verifier: str, draft: str | Path | None = None, k: in
         work_dir: where the server's log goes.
         threads: CPU threads (llama.cpp).
         dtype: the server's dtype (vLLM).
+        device: where the verifier runs: ``cuda`` serves vLLM with its CUDA graphs on, taking ``gpu_share``
+            of the GPU's memory (vLLM); llama.cpp's build here runs on the CPU either way.
     """
     if name == "vllm":
         from draftsmith.engines.vllm import VllmEngine
 
-        return VllmEngine(verifier, draft, k, dtype=dtype, work_dir=work_dir)
+        return VllmEngine(verifier, draft, k, dtype=dtype, work_dir=work_dir, device=device,
+                          gpu_memory_utilization=gpu_share)
     if name == "llama.cpp":
         from draftsmith.engines.llamacpp import LlamaCppEngine
 

@@ -97,6 +97,10 @@ class VllmEngine:
         dtype: the server's dtype (float32: greedy outputs comparable to draftsmith's engine).
         work_dir: where the server log goes (``vllm-<port>.log``).
         kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE``, the KV cache vLLM reserves on a CPU.
+        device: ``cpu`` (vllm-cpu, eager: no CUDA graphs to capture) or ``cuda`` (a CUDA build of vLLM,
+            with its CUDA graphs: what it serves with).
+        gpu_memory_utilization: on CUDA, the share of the GPU's memory this server takes (vLLM's default,
+            0.92, leaves no room for a second server, which then refuses to start).
         max_model_len: context limit the server allows (None: the model's).
         startup_timeout: seconds to wait for ``/health``.
         extra_args: more ``vllm serve`` flags.
@@ -107,7 +111,8 @@ class VllmEngine:
     def __init__(self, verifier_spec: str | os.PathLike, draft_dir: str | os.PathLike | None = None, k: int = 3,
                  dtype: str = "float32", work_dir: str | os.PathLike = "runs/engines", kv_cache_gib: int = 2,
                  max_model_len: int | None = None, startup_timeout: float = 900.0,
-                 extra_args: Sequence[str] = ()) -> None:
+                 extra_args: Sequence[str] = (), device: str = "cpu",
+                 gpu_memory_utilization: float | None = None) -> None:
         if k < 1:
             raise DraftsmithError(f"--num-draft-tokens must be >= 1, got {k}")
         if draft_dir is not None and not (Path(draft_dir) / "config.json").is_file():
@@ -117,6 +122,7 @@ class VllmEngine:
         self.draft_dir = None if draft_dir is None else Path(draft_dir).resolve()
         self.work_dir, self.kv_cache_gib, self.max_model_len = Path(work_dir), kv_cache_gib, max_model_len
         self.startup_timeout, self.extra_args = startup_timeout, list(extra_args)
+        self.device, self.gpu_memory_utilization = device, gpu_memory_utilization
         self.server: ServerProcess | None = None
         self.port: int | None = None
         self.model_name: str | None = None
@@ -133,7 +139,10 @@ class VllmEngine:
         argv = [str(python), "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model_dir),
                 "--host", "127.0.0.1", "--port", str(port), "--dtype", self.dtype,
                 # CPU: no CUDA graphs or torch.compile to capture; eager also starts much faster.
-                "--enforce-eager",
+                # (On CUDA its graphs stay on: the speed it serves with is the one that counts.)
+                *(["--enforce-eager"] if self.device == "cpu" else []),
+                *(["--gpu-memory-utilization", f"{self.gpu_memory_utilization:.3f}"]
+                  if self.device != "cpu" and self.gpu_memory_utilization is not None else []),
                 # Without it vLLM applies the model's generation_config.json (penalties, top-k) as
                 # request defaults; every request here states its own sampling settings.
                 "--generation-config", "vllm",
@@ -148,7 +157,7 @@ class VllmEngine:
     def environment(self, python: Path) -> dict[str, str]:
         """The server's environment on top of ours."""
         # vLLM's default on a CPU is 4 GiB of KV cache; a 135M model needs far less.
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib)}
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib)} if self.device == "cpu" else {}
         iomp = python.parent.parent / "lib" / "libiomp5.so"
         # vLLM's CPU guide preloads the Intel OpenMP runtime its wheel brings (for speed); 0.32.0
         # also starts without it, and an environment without the file simply goes without.
@@ -212,7 +221,7 @@ class VllmEngine:
         """What a report records about the server: its command line, environment, version, startup time."""
         return {"engine": self.name, "version": self.version, "command": shlex.join(self.argv), "env": self.env,
                 "model": self.model_name, "draft": None if self.draft_dir is None else str(self.draft_dir),
-                "k": self.k if self.draft_dir is not None else None, "dtype": self.dtype,
+                "k": self.k if self.draft_dir is not None else None, "dtype": self.dtype, "device": self.device,
                 "startup_seconds": None if self.startup_seconds is None else round(self.startup_seconds, 1)}
 
     # ------------------------------------------------------------------ requests

@@ -230,6 +230,16 @@ def quantize_verifier(model: torch.nn.Module, method: str) -> torch.nn.Module:
     return _torchao_int4(model)
 
 
+def parameters_to(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` with its floating parameters in ``dtype`` and its buffers as they are: ``Module.to(dtype)``
+    also rounds the rotary embedding's float32 ``inv_freq`` tables, which transformers keeps in float32
+    at any dtype (in bfloat16 each frequency is off by up to 2^-9, a phase error growing with position)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    return model
+
+
 def _torchao_int4(model: torch.nn.Module) -> torch.nn.Module:
     try:
         from torchao.quantization import Int4WeightOnlyConfig, quantize_
@@ -238,7 +248,7 @@ def _torchao_int4(model: torch.nn.Module) -> torch.nn.Module:
                               "(requirements-quant.txt)") from e
     if torch.cuda.get_device_capability(next(model.parameters()).device)[0] < 8:
         raise DraftsmithError("--quantize int4: tinygemm's int4 kernel needs a GPU of compute capability >= 8.0")
-    q = copy.deepcopy(model).to(torch.bfloat16)  # the tile-packed int4 tensors take bfloat16 activations only
+    q = parameters_to(copy.deepcopy(model), torch.bfloat16)  # tile-packed int4 takes bfloat16 activations only
     # Layers whose input width is not a multiple of the group size stay in bfloat16 (torchao skips them too).
     quantize_(q, Int4WeightOnlyConfig(group_size=INT4_GROUP_SIZE, int4_packing_format="tile_packed_to_4d"),
               filter_fn=lambda m, _fqn: isinstance(m, torch.nn.Linear) and m.in_features % INT4_GROUP_SIZE == 0)

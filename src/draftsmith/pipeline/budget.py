@@ -176,13 +176,13 @@ def pilot_seconds(rates: Rates, bench: Any, drafts: int) -> float:
     return bench_seconds(rates, runs, bench.max_new_tokens, 1, 1) - bench_seconds(rates, 0, bench.max_new_tokens, 1, 1)
 
 
-def layout_probe_seconds(rates: Rates, bench: Any) -> float:
+def layout_probe_seconds(rates: Rates, bench: Any, on_cpu: bool = True) -> float:
     """``bench.weight_layout`` auto's probe (:func:`draftsmith.bench.measure.choose_weight_layout`):
     per candidate layout (up to three on a CPU: as loaded, oneDNN, the few-row kernel) and pass, the
     cost context's prefill and (warm-up + repeats) verify steps of each n in {1, k + 1}, each priced
     at a one-token step plus 10% per extra token.
-    0 for a fixed layout, and for compiled steps (only the loaded layout applies to them)."""
-    if bench.weight_layout != "auto" or getattr(bench, "compile", False):
+    0 for a fixed layout, for compiled steps and off the CPU (only the loaded layout applies there)."""
+    if bench.weight_layout != "auto" or getattr(bench, "compile", False) or not on_cpu:
         return 0.0
     from draftsmith.bench.measure import LAYOUT_PASSES, LAYOUT_REPEATS
 
@@ -494,7 +494,8 @@ def plan_for(cfg: Any, v: Any, vd: Any, out: Path, say: Any = print) -> Plan:
                      min_prompts=(MIN_BENCH_PROMPTS if len(cfg.bench.num_draft_tokens) == 1 or cfg.bench.choose_k
                                   else 2 * MIN_JUDGED_PROMPTS),
                      bench_compile_seconds=compile_s, bench_pilot_seconds=pilot_seconds(rates, cfg.bench, drafts)
-                     + layout_probe_seconds(rates, cfg.bench) + calibration_seconds(rates, cfg.bench, drafts),
+                     + layout_probe_seconds(rates, cfg.bench, on_cpu=next(v.model.parameters()).device.type == "cpu")
+                     + calibration_seconds(rates, cfg.bench, drafts),
                      max_prompts=MAX_BENCH_PROMPTS - (cfg.bench.pilot_prompts if cfg.bench.choose_k else 0))
     save_plan(path, key, plan)
     return plan

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from draftsmith.config import from_dict, load_yaml, opt
 from draftsmith.errors import DraftsmithError
-from draftsmith.utils import check_device_name, check_dtype_name
+from draftsmith.utils import check_device_name, check_dtype_name, resolve_device
 from draftsmith.bench.run import BenchSettings as BenchSection
 from draftsmith.gate import GateSection
 from draftsmith.train.loop import TrainSettings as TrainSection
@@ -117,6 +117,13 @@ class PipelineConfig:
                                   f"{self.bench.engines} does not measure it")
         if self.budget is not None and not (math.isfinite(self.budget) and self.budget > 0):
             raise DraftsmithError(f"budget must be a positive number of minutes, got {self.budget}")
+        cpu_only = [f"bench.{k}: int8" for k, v in (("draft_precision", self.bench.draft_precision),
+                                                     ("quantize", self.bench.quantize)) if "int8" in v]
+        if cpu_only and resolve_device(self.device).type != "cpu":
+            # said now, not after the data and the training: the bench would refuse them on a GPU
+            raise DraftsmithError(f"{', '.join(cpu_only)} runs on the CPU (ATen's int8 kernels) and this run's "
+                                  "device is a GPU: drop it (the draft runs in the verifier's dtype there), or "
+                                  "use bench.quantize: [int4] for a quantized verifier")
 
 
 # Budgets measured on this project's 2-core CPU machine (see BENCHMARKS.md).

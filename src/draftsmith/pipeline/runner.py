@@ -20,7 +20,7 @@ from draftsmith.errors import DraftsmithError, GateFailed
 from draftsmith.pipeline import budget, steps
 from draftsmith.pipeline.cache import StepCache, digest
 from draftsmith.pipeline.config import PipelineConfig, build_config
-from draftsmith.utils import atomic_write_json, command_line, environment_info
+from draftsmith.utils import atomic_write_json, command_line, environment_info, resolve_device, resolve_dtype
 
 
 def _previous_draft(cfg: PipelineConfig, fingerprint: str) -> Path | None:
@@ -53,8 +53,13 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     v = steps.Verifier(cfg.verifier, cfg.dtype, cfg.device)
-    # data is made in its own (often faster) dtype; training and bench use the verifier's own
-    vd = steps.Verifier(cfg.verifier, steps.data_dtype(cfg.data.dtype, cfg.device), cfg.device)
+    # data is made in its own (often faster) dtype; training and bench use the verifier's own. Where the
+    # two resolve to one dtype (bfloat16 both on CUDA, float32 both on a CPU without fast bfloat16), one
+    # copy of the weights serves both (an 8B verifier loaded twice would take 32 GB of a GPU).
+    dev = resolve_device(cfg.device)
+    data_dt = steps.data_dtype(cfg.data.dtype, cfg.device)
+    vd = v if resolve_dtype(data_dt, dev) == resolve_dtype(cfg.dtype, dev) else \
+        steps.Verifier(cfg.verifier, data_dt, cfg.device)
     cache = StepCache(out / "steps")
 
     def spent() -> float:

@@ -608,6 +608,8 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
                 sums = dist.all_sum(sums + [float(ntok)])
                 ntok_all = sums[-1]
                 tokens_seen += ntok_all
+                if device.type == "cuda":  # the backward and optimizer step run queued: time them done
+                    torch.cuda.synchronize(device)
                 dt = time.perf_counter() - t0
                 if fit is not None:
                     now = time.perf_counter()
