@@ -472,6 +472,7 @@ def test_ctrl_c_leaves_a_partial_report(tiny, tmp_path):
     assert report["prompts"]["runs"] == 1 and report["prompts"]["requested"] == 3
     assert "PARTIAL" in (tmp_path / "report.md").read_text()
     assert "Plots:" in (tmp_path / "report.md").read_text()
+    assert f"{report['prompts']['measured']} of 3 prompts x " in (tmp_path / "report.md").read_text()
 
 
 def test_sigterm_in_the_calibration_leaves_a_partial_report_that_says_so(tiny, tmp_path):

@@ -234,7 +234,7 @@ def test_data_and_train_commands(setup, tmp_path):
     assert json.loads((tmp_path / "t" / "train_config.json").read_text())["verifier_fingerprint"]
 
 
-def test_skip_conversations_gives_the_next_prompts_of_the_train_split(tmp_path):
+def test_skip_conversations_gives_the_next_prompts_of_the_train_split(tmp_path, capsys):
     """`--skip-conversations N` answers the conversations after the first N: fresh data for a run
     that already used them, none in common, under another cache key."""
     from draftsmith.errors import DraftsmithError
@@ -253,6 +253,9 @@ def test_skip_conversations_gives_the_next_prompts_of_the_train_split(tmp_path):
 
     first, after = ids(num_conversations=10), ids(num_conversations=10, skip_conversations=10)
     assert len(after) == 10 and not set(first) & set(after)
+    assert "were asked for" not in capsys.readouterr().err
+    fewer = ids(num_conversations=50, skip_conversations=20)  # fewer than asked: said, not silent
+    assert 0 < len(fewer) < 50 and f"gives {len(fewer)} conversations after 20 skipped" in capsys.readouterr().err
     assert first + after == ids(num_conversations=20)
     assert steps.regeneration_key(DataSection()) != steps.regeneration_key(DataSection(skip_conversations=10))
     with pytest.raises(DraftsmithError, match="leaves no prompt: the train split .* has [0-9]+ conversations"):

@@ -488,7 +488,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     temp = "greedy" if cfg["temperature"] == 0 else f"temperature {cfg['temperature']}"
     device = env.get("cuda") or f"{env.get('cpu_model') or env.get('processor')} ({env.get('torch_threads')} threads)"
     lines = [f"# draftsmith bench: {prov.get('verifier', '?')} on {prov.get('dataset', cfg['dataset'])}", "",
-             f"{report['prompts']['measured']} prompts x {cfg['max_new_tokens']} new tokens, {temp}, "
+             f"{report['prompts']['measured']}"
+             + (f" of {report['prompts']['requested']}" if report["prompts"]["measured"] < report["prompts"]["requested"]
+                else "") + f" prompts x {cfg['max_new_tokens']} new tokens, {temp}, "
              f"{cfg['repeats']} repeat(s); {device}, {prov.get('dtype', '?')}"
              + (", compiled steps (compile time kept out)" if prov.get("compile") else "")
              + f"; verifier {prov.get('fingerprint', '?')}"]

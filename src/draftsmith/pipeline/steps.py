@@ -117,6 +117,9 @@ def prompts(data: DataSection, work: Path, v: "Verifier | None" = None) -> dict[
         if not convs:
             raise DraftsmithError(f"--skip-conversations {skip} leaves no prompt: the train split of "
                                   f"{data.dataset!r} has {len(loaded)} conversations")
+        if len(convs) < data.num_conversations:
+            say(f"[prompts] {data.dataset} gives {len(convs)} conversations after {skip} skipped (its train "
+                f"split, evaluation sets left out); {data.num_conversations} were asked for")
     path = work / "prompts.jsonl"
     with open(path, "w") as f:
         for c in convs:
