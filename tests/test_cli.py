@@ -26,6 +26,8 @@ def _run(args, capsys):
     (["pipeline", "run", "/nonexistent.yaml"], "not found"),
     (["bench", "--verifier", "smollm2-135m", "--drafter", "ngram", "--draft-precision", "int8", "--out",
       "runs/never-written"], "applies to EAGLE-3 drafts"),
+    (["data", "--num-conversations", "0"], "--num-conversations must be >= 1, got 0"),  # the flag, not data.*
+    (["data", "--dataset", "mt-bench"], "--dataset: 'mt-bench' is a held-out evaluation set"),
 ])
 def test_bad_input_is_one_line(args, needle, capsys):
     rc, err = _run(args, capsys)

@@ -133,6 +133,9 @@ class DataConfig(DataSection):
     out: str = opt("runs/data", "output directory")
     device: str = opt("auto", "device")
 
+    def setting(self, name: str) -> str:  # the flag, not the pipeline's YAML key
+        return "--" + name.replace("_", "-")
+
 
 def run_data(cfg: Any) -> int:
     from pathlib import Path

@@ -71,19 +71,22 @@ class DataSection:
                                      "any reply is kept); hidden states are still captured in process. The URL is "
                                      "not part of the cache key: a restarted server resumes the same run")
 
+    def setting(self, name: str) -> str:
+        """How a setting is named in messages: its YAML key here (``draftsmith data`` names the flag)."""
+        return f"data.{name}"
+
     def __post_init__(self) -> None:
         if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
-            raise DraftsmithError(f"data.endpoint must be an http:// or https:// URL, got {self.endpoint!r}")
+            raise DraftsmithError(f"{self.setting('endpoint')} must be an http:// or https:// URL, got {self.endpoint!r}")
         for name in ("num_conversations", "max_new_tokens", "batch_size", "max_prompt_tokens", "max_length",
                      "capture_batch_size", "samples_per_shard"):
             if getattr(self, name) < 1:
-                raise DraftsmithError(f"data.{name} must be >= 1")
-        if self.skip_conversations < 0:
-            raise DraftsmithError("data.skip_conversations must be >= 0")
-        if self.temperature < 0 or self.seed < 0:
-            raise DraftsmithError(f"data.{'temperature' if self.temperature < 0 else 'seed'} must be >= 0")
-        check_dtype_name(self.dtype, "data.dtype")
-        check_training_source(self.dataset, "data.dataset")
+                raise DraftsmithError(f"{self.setting(name)} must be >= 1, got {getattr(self, name)}")
+        for name in ("skip_conversations", "temperature", "seed"):
+            if getattr(self, name) < 0:
+                raise DraftsmithError(f"{self.setting(name)} must be >= 0, got {getattr(self, name)}")
+        check_dtype_name(self.dtype, self.setting("dtype"))
+        check_training_source(self.dataset, self.setting("dataset"))
 
 
 @dataclass
