@@ -26,6 +26,10 @@ def _run(args, capsys):
     (["pipeline", "run", "/nonexistent.yaml"], "not found"),
     (["bench", "--verifier", "smollm2-135m", "--drafter", "ngram", "--draft-precision", "int8", "--out",
       "runs/never-written"], "applies to EAGLE-3 drafts"),
+    (["generate", "--verifier", "smollm2-135m", "--prompt", "hi", "--drafter", "/no/such/draft"], "no such directory"),
+    (["generate", "--verifier", "smollm2-135m", "--prompt", "hi", "--drafter", "model:no-such-model"],
+     "the draft model: "),
+    (["generate", "--verifier", "smollm2-135m", "--prompt", "hi", "--draft-confidence", "0.5"], "no --drafter is given"),
     (["data", "--num-conversations", "0"], "--num-conversations must be >= 1, got 0"),  # the flag, not data.*
     (["data", "--dataset", "mt-bench"], "--dataset: 'mt-bench' is a held-out evaluation set"),
 ])

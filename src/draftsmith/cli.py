@@ -93,8 +93,8 @@ def run_generate(cfg: GenerateConfig) -> int:
     proposer = build_proposer(cfg.drafter, model, tokenizer, dtype=cfg.dtype, draft_precision=cfg.draft_precision)
     if any(cfg.draft_confidence):
         if not hasattr(proposer, "min_confidence"):
-            raise DraftsmithError(f"--draft-confidence applies to an EAGLE-3 draft directory, not to --drafter "
-                                  f"{cfg.drafter!r}")
+            raise DraftsmithError("--draft-confidence applies to an EAGLE-3 draft directory, "
+                                  + (f"not to --drafter {cfg.drafter!r}" if cfg.drafter else "and no --drafter is given"))
         proposer.min_confidence = cfg.draft_confidence
     ids = encode_prompt(tokenizer, cfg.prompt, chat=cfg.chat)
     layout = cfg.weight_layout

@@ -41,7 +41,10 @@ def build_proposer(spec: str | None, verifier: torch.nn.Module, tokenizer: objec
         from draftsmith.models.verifier import load_verifier
 
         device = next(verifier.parameters()).device
-        draft, draft_tok, _ = load_verifier(spec[len("model:"):], dtype=dtype, device=device)
+        try:
+            draft, draft_tok, _ = load_verifier(spec[len("model:"):], dtype=dtype, device=device)
+        except DraftsmithError as e:  # its message names the model a "verifier"
+            raise DraftsmithError(f"--drafter {spec!r}: the draft model: {e}") from None
         if same_tokenizer(draft_tok, tokenizer):
             proposer: Proposer = DraftModelProposer(draft)
         else:  # Universal Assisted Generation: the draft's text re-encoded into the verifier's tokens
@@ -50,6 +53,8 @@ def build_proposer(spec: str | None, verifier: torch.nn.Module, tokenizer: objec
         return proposer
     if Path(spec).is_dir():
         return load_draft(spec, verifier, precision=draft_precision)
+    if "/" in spec or spec.startswith("."):
+        raise DraftsmithError(f"--drafter {spec!r}: no such directory (an EAGLE-3 draft directory; or {DRAFTER_HELP})")
     raise DraftsmithError(f"unknown --drafter {spec!r}; expected {DRAFTER_HELP}")
 
 
