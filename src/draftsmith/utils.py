@@ -73,14 +73,14 @@ def check_out_path(out: str | Path, kind: str, flag: str = "--out") -> None:
     directory, made if missing) or "file"; a path under a file, or without write permission."""
     out = Path(out)
     if kind == "dir" and out.exists() and not out.is_dir():
-        raise DraftsmithError(f"{flag} {out}: a file is there; this command writes a directory (name a new one)")
+        raise DraftsmithError(f"{flag} {out}: exists and is not a directory (this command writes one: name a new one)")
     if kind == "file" and out.is_dir():
         raise DraftsmithError(f"{flag} {out}: a directory is there; this command writes a file (name one)")
     probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
     if not probe.is_dir() and probe != out:
-        raise DraftsmithError(f"{flag} {out}: {probe} is a file, so nothing can be written under it")
+        raise DraftsmithError(f"{flag} {out}: not writable ({probe} is a file, not a directory)")
     if not os.access(probe if probe.is_dir() else probe.parent, os.W_OK):
-        raise DraftsmithError(f"{flag} {out}: no write permission on {probe}")
+        raise DraftsmithError(f"{flag} {out}: not writable (no write permission on {probe})")
 
 
 def cpu_has_amx(onednn_limit: bool = True) -> bool:

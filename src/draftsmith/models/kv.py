@@ -85,7 +85,7 @@ FOLD_GQA: bool | None = None
 
 
 def gqa_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                  causal: bool = False) -> torch.Tensor:
+                  causal: bool = False, fold: bool | None = None) -> torch.Tensor:
     """SDPA of queries ``[b, nh, m, hd]`` over keys/values ``[b, nkv, S, hd]`` with ``nkv`` dividing
     ``nh``, under ``mask`` (``[m, S]``, boolean or additive) or ``causal``.
 
@@ -96,17 +96,19 @@ def gqa_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch
     (memory-efficient), so ``enable_gqa`` with a mask runs the math kernel, which builds the whole
     score matrix. transformers' masked one-token step folds the same way; a query row's result does
     not depend on the other rows, so the two forms agree to rounding (tested on the CPU through
-    :data:`FOLD_GQA`).
+    :data:`FOLD_GQA`). ``fold`` decides instead where given (a one-token mask of one row broadcasts
+    over the folded heads, as transformers passes it).
     """
     nh, nkv = q.shape[1], K.shape[1]
-    fold = (q.device.type != "cpu") if FOLD_GQA is None else FOLD_GQA
+    if fold is None and mask is not None and nh != nkv:  # (resolved only where it can matter: a hot path)
+        fold = (q.device.type != "cpu") if FOLD_GQA is None else FOLD_GQA
     if mask is None or nh == nkv or not fold:
         return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, is_causal=causal, scale=scale,
                                               enable_gqa=nh != nkv)
     b, _, m, hd = q.shape
     rep = nh // nkv
-    out = F.scaled_dot_product_attention(q.reshape(b, nkv, rep * m, hd), K, V, attn_mask=mask.repeat(rep, 1),
-                                         scale=scale)
+    out = F.scaled_dot_product_attention(q.reshape(b, nkv, rep * m, hd), K, V,
+                                         attn_mask=mask if m == 1 else mask.repeat(rep, 1), scale=scale)
     return out.reshape(b, nh, m, hd)
 
 
@@ -308,15 +310,10 @@ class KVCache:
             # full transformers passes an all-true mask, and SDPA rounds differently with one:
             # building it keeps the logits bitwise equal to transformers'.
             mask = self._mask(start, end, lo, W, q)
-            if m == 1 and q.shape[1] != K.shape[1]:
-                # transformers' masked one-token GQA: the query heads of one KV head as a
-                # sequence of rep queries, so SDPA needs no GQA support (and rounds the same).
-                nh, hd = q.shape[1], q.shape[3]
-                out = F.scaled_dot_product_attention(q.reshape(1, K.shape[1], nh // K.shape[1], hd),
-                                                     K[:, :, lo:end], V[:, :, lo:end], attn_mask=mask,
-                                                     scale=scale)
-                return out.reshape(1, nh, 1, hd)
-        return gqa_attention(q, K[:, :, lo:end], V[:, :, lo:end], mask, scale, causal=causal)
+        # a masked one-token step folds its query heads on every device: transformers' masked one-token
+        # GQA does, and the lean step rounds as it does
+        return gqa_attention(q, K[:, :, lo:end], V[:, :, lo:end], mask, scale, causal=causal,
+                             fold=True if m == 1 else None)
 
 
 class BatchKVCache:

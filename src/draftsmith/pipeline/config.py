@@ -7,14 +7,13 @@ key's dotted name before any expensive step starts.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from draftsmith.config import from_dict, load_yaml, opt
 from draftsmith.errors import DraftsmithError
-from draftsmith.utils import check_device_name, check_dtype_name, resolve_device
+from draftsmith.utils import check_device_name, check_dtype_name, check_out_path, resolve_device
 from draftsmith.bench.run import BenchSettings as BenchSection
 from draftsmith.gate import GateSection
 from draftsmith.train.loop import TrainSettings as TrainSection
@@ -178,16 +177,5 @@ def build_config(yaml_path: str | None = None, overrides: dict[str, Any] | None 
     if preset == "small" and "budget" not in raw:
         merged["budget"] = SMALL_BUDGET
     cfg = from_dict(PipelineConfig, merged)
-    check_out_dir(Path(cfg.out))
+    check_out_path(cfg.out, "dir", flag="out:")  # before any expensive step
     return cfg
-
-
-def check_out_dir(out: Path) -> None:
-    """Fail early (before any expensive step) when the output directory cannot be written."""
-    probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
-    if out.exists() and not out.is_dir():
-        raise DraftsmithError(f"out: {out} exists and is not a directory")
-    if not probe.is_dir():
-        raise DraftsmithError(f"out: {out} is not writable ({probe} is a file, not a directory)")
-    if not os.access(probe, os.W_OK):
-        raise DraftsmithError(f"out: {out} is not writable (no write permission on {probe})")
