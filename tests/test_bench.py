@@ -490,6 +490,146 @@ def test_sigterm_in_the_calibration_leaves_a_partial_report_that_says_so(tiny, t
     assert e.value.partial_report == tmp_path / "report.md"
 
 
+def _stop_timed_runs_at(monkeypatch, n: int) -> list[int]:
+    """``measure.timed_run`` raising KeyboardInterrupt on its ``n``-th call (counted in the list returned)."""
+    calls: list[int] = []
+    run = measure.timed_run
+
+    def wrapper(*a, **kw):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return run(*a, **kw)
+
+    monkeypatch.setattr(measure, "timed_run", wrapper)
+    return calls
+
+
+def test_an_interrupted_bench_resumes_where_it_stopped(tiny, tmp_path, monkeypatch):
+    """Ctrl-C in the third unit (prompt 2 of repeat 1, one row done): the same bench again keeps the step
+    costs and the two units every row had timed (their seconds as they were), times the third in full and
+    the rest, and ends with the report of a whole bench, the checkpoint removed."""
+    from draftsmith.bench import resume
+
+    cfg = _cfg(tmp_path, num_draft_tokens=[2, 3], num_prompts=3, repeats=2, hf_reference=False)
+    props = lambda: {"ngram": NgramProposer(), "perfect": DraftModelProposer(tiny)}  # noqa: E731
+    rows = 1 + 2 * 2
+    _stop_timed_runs_at(monkeypatch, 2 * rows + 2)
+    with pytest.raises(KeyboardInterrupt):
+        benchmark(tiny, _prompts(3), props(), cfg, tmp_path, {"fingerprint": "f"})
+    partial = json.loads((tmp_path / "report.json").read_text())
+    saved = json.loads((tmp_path / resume.STATE_FILE).read_text())
+    assert partial["partial"] and saved["units_done"] == 2 and partial["prompts"]["runs"] == 2 * rows + 1
+
+    def no_costs(*a, **kw):
+        raise AssertionError("a resumed bench measures its step costs again")
+
+    monkeypatch.setattr("draftsmith.bench.run.measure_costs", no_costs)
+    calls = _stop_timed_runs_at(monkeypatch, -1)
+    report = benchmark(tiny, _prompts(3), props(), cfg, tmp_path, {"fingerprint": "f"})
+    assert len(calls) == (2 * 3 - 2) * rows  # units 3..6, each by every row; nothing timed twice
+    assert not report["partial"] and report["prompts"]["runs"] == 2 * 3 * rows
+    assert report["resumed"][0]["units_done"] == 2 and "Resumed at" in (tmp_path / "report.md").read_text()
+    assert report["costs"]["t_verify_seconds"] == partial["costs"]["t_verify_seconds"]
+    for before, after in zip(partial["rows"], report["rows"]):
+        assert before["name"] == after["name"]
+        first = {e["prompt"]: e["seconds"] for e in before["per_prompt"]}
+        now = {e["prompt"]: e["seconds"] for e in after["per_prompt"]}
+        assert now["p0"][:1] == first["p0"] and now["p1"][:1] == first["p1"]  # repeat 1's first two units, kept
+        assert len(now["p0"]) == len(now["p1"]) == len(now["p2"]) == 2  # and the rest timed once each
+        assert now["p2"][0] not in first.get("p2", [])  # the unit half done when stopped: timed again in full
+        assert after["identical_output_rate"] == 1.0
+    assert not (tmp_path / resume.STATE_FILE).exists()
+    # complete: the same bench again measures afresh (and so does --no-resume; negative controls of the kept units)
+    calls = _stop_timed_runs_at(monkeypatch, -1)
+    monkeypatch.undo()
+    report = benchmark(tiny, _prompts(3), props(), cfg, tmp_path, {"fingerprint": "f"})
+    assert "resumed" in report and report["resumed"] == []
+
+
+def test_a_bench_of_other_settings_is_not_resumed_and_says_what_differs(tiny, tmp_path, monkeypatch, capsys):
+    """Negative controls: another --max-new-tokens, another verifier fingerprint, --no-resume: the saved units
+    are not used (every unit is timed again), and the first two say what differs."""
+    cfg = _cfg(tmp_path, num_draft_tokens=[2], num_prompts=2, hf_reference=False)
+    _stop_timed_runs_at(monkeypatch, 3)  # unit 1 (prompt 0) done by both rows
+    with pytest.raises(KeyboardInterrupt):
+        benchmark(tiny, _prompts(2), {"ngram": NgramProposer()}, cfg, tmp_path, {"fingerprint": "f"})
+    for change, provenance, words in (({"max_new_tokens": 9}, {"fingerprint": "f"}, "settings.max_new_tokens"),
+                                      ({}, {"fingerprint": "g"}, "verifier"),
+                                      ({"resume": False}, {"fingerprint": "f"}, None)):
+        calls = _stop_timed_runs_at(monkeypatch, 3)  # interrupted again, so the checkpoint stays for the next case
+        capsys.readouterr()
+        with pytest.raises(KeyboardInterrupt):
+            benchmark(tiny, _prompts(2), {"ngram": NgramProposer()}, _cfg(tmp_path, **{**dict(
+                num_draft_tokens=[2], num_prompts=2, hf_reference=False), **change}), tmp_path, provenance)
+        assert len(calls) == 3  # started at unit 0: a resumed one would have reached unit 1's rows first
+        err = capsys.readouterr().err
+        assert (words in err and "starting afresh" in err) if words else "starting afresh" not in err
+        json.loads((tmp_path / "bench-state.json").read_text())  # rewritten by this bench
+
+
+def test_a_resumed_bench_keeps_its_layout_k_choice_and_confidence_thresholds(tiny, tmp_path, monkeypatch):
+    """--weight-layout auto, --choose-k and --draft-confidence auto: none is measured again on resume (the
+    layout probe, the pilot and the calibration would each change them on a noisy host), the EAGLE-3 draft
+    decodes under the thresholds chosen before, and the outputs stay plain decoding's."""
+    from draft_factory import random_draft
+    from draftsmith.decoding.proposers import Eagle3Proposer
+
+    draft = random_draft(tiny, vd=64, aux_layer_ids=[0, 1, 1])
+    cfg = _cfg(tmp_path, num_draft_tokens=[1, 2], num_prompts=2, hf_reference=False, choose_k=True, pilot_prompts=1,
+               weight_layout="auto")
+    _stop_timed_runs_at(monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        benchmark(tiny, _prompts(3), {"eagle3:d": Eagle3Proposer(draft)}, cfg, tmp_path, {"fingerprint": "f"},
+                  pilot=_prompts(3)[2:])
+    partial = json.loads((tmp_path / "report.json").read_text())
+    for name in ("measure_costs", "choose_ks", "choose_weight_layout"):
+        monkeypatch.setattr(f"draftsmith.bench.run.{name}", lambda *a, **kw: pytest.fail("measured again"))
+    _stop_timed_runs_at(monkeypatch, -1)
+    prop = Eagle3Proposer(draft)
+    report = benchmark(tiny, _prompts(3), {"eagle3:d": prop}, cfg, tmp_path, {"fingerprint": "f"},
+                       pilot=_prompts(3)[2:])
+    assert report["weight_layout_choice"] == partial["weight_layout_choice"]
+    assert report["provenance"]["weight_layout"] == partial["provenance"]["weight_layout"]
+    assert report["k_choice"] == partial["k_choice"] and report["draft_confidence"] == partial["draft_confidence"]
+    assert list(prop.min_confidence) == pytest.approx(partial["draft_confidence"]["eagle3:d"]["thresholds"])
+    assert [r["identical_output_rate"] for r in report["rows"]] == [1.0, 1.0]
+
+
+def test_the_checkpoint_gives_back_what_it_was_given(tiny):
+    """Every field a resumed bench reads comes back equal, with its integer keys and tuples (JSON has neither)."""
+    from draftsmith.bench import resume
+
+    state = measure.BenchState([Row("plain (ours)", "plain", tiny)], _prompts(1))
+    state.costs = CostModel({1: 0.01, 2: 0.012}, draft_fixed=1e-4, draft_per_token=2e-4, context_tokens=40)
+    state.plain_steps = [0.01, 0.011]
+    state.verify_steps = {"d": {1: [0.01], 3: [0.013, 0.014]}}
+    state.draft_per_call = {"d": {1: 0.001, 2: 0.0015}}
+    state.draft_fit = {"d": (0.0005, 0.0005)}
+    state.k_choice = {"d": {"k": 2, "predicted_speedup": {"1": 1.1, "2": 1.2}}}
+    state.draft_confidence = {"d": {"setting": "auto", "thresholds": [0.1, 0.2]}}
+    state.results = {(0, 0): [measure.RunResult([5, 6], 0.5, {"step_seconds": {1: [0.01]}, "engine": "lean"},
+                                                [(2, 1, 0.001)], 123, None)]}
+    with_checkpoint = resume.Checkpoint(Path("unused"), {"x": 1})
+    with_checkpoint.layout, with_checkpoint.layout_choice = "cpp", {"layout": "cpp", "t_seconds": {"cpp": {1: 0.1}}}
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        with_checkpoint.path = Path(d) / resume.STATE_FILE
+        with_checkpoint.save(state, 1)
+        saved = resume.Checkpoint(Path(d), {"x": 1}).load()
+        assert resume.Checkpoint(Path(d), {"x": 2}).load(say=False) is None  # another bench's
+    back = measure.BenchState([Row("plain (ours)", "plain", tiny)], _prompts(1))
+    resume.restore_costs(back, saved)
+    assert resume.restore_results(back, saved) == 1
+    for name in ("costs", "plain_steps", "verify_steps", "draft_per_call", "draft_fit", "k_choice",
+                 "draft_confidence", "results", "started"):
+        assert getattr(back, name) == getattr(state, name), name
+    assert resume.layout_of(saved) == ("cpp", with_checkpoint.layout_choice)
+    with pytest.raises(ValueError, match="rows differ"):
+        resume.restore_results(measure.BenchState([Row("other", "plain", tiny)], _prompts(1)), saved)
+
+
 # ----------------------------------------------------------------------------- config, CLI, prompts
 def test_config_validation_names_the_flag(tmp_path):
     with pytest.raises(DraftsmithError, match="--drafter or --draft"):
@@ -514,6 +654,10 @@ def test_cli_repeatable_drafter_and_k_list(tmp_path):
     cfg = from_args(ns._command.config, ns)
     assert isinstance(cfg, BenchConfig)
     assert cfg.drafter == ["ngram", "ngram:2", "model:x"] and cfg.num_draft_tokens == [2, 4]
+    assert cfg.resume is True  # an interrupted bench continues unless told not to
+    ns = build_parser().parse_args(["bench", "--verifier", "v", "--out", str(tmp_path), "--drafter", "ngram",
+                                    "--no-resume"])
+    assert from_args(ns._command.config, ns).resume is False
     from draftsmith.cli import EXIT_ERROR, main
 
     assert main(["bench", "--verifier", "v", "--out", str(tmp_path)]) == EXIT_ERROR  # no drafter: one-line error

@@ -665,6 +665,13 @@ class BenchState:
     note: str = ""
     started: float = field(default_factory=time.time)
     load_at_start: float | None = field(default_factory=lambda: load_average())
+    attempt_started: float = field(default_factory=time.time)  # this run's start (a resumed bench: not ``started``)
+    earlier_seconds: float = 0.0  # a resumed bench: what its earlier attempts measured for
+    attempts: list[dict[str, Any]] = field(default_factory=list)  # a resumed bench: when, and from which unit
+
+    def measuring_seconds(self) -> float:
+        """Seconds spent measuring, over every attempt of a resumed bench (not the time between them)."""
+        return self.earlier_seconds + time.time() - self.attempt_started
 
     def drafter_costs(self, name: str) -> CostModel:
         """The step costs drafter ``name``'s rounds pay: ``T(1)`` of the plain steps between its
@@ -733,11 +740,15 @@ def build_rows(model: torch.nn.Module, proposers: dict[str, Proposer], ks: Seque
 
 
 def measure_interleaved(state: BenchState, max_new_tokens: int, temperature: float, repeats: int,
-                        seed: int, progress: bool = True, warmup_tokens: int = 32) -> None:
+                        seed: int, progress: bool = True, warmup_tokens: int = 32, start_unit: int = 0,
+                        on_unit: Callable[[int], None] | None = None) -> None:
     """Warm every row up, then time every row on every prompt, interleaved per prompt.
 
     The row order rotates from prompt to prompt so no row is always first (cold
     caches) or last; results land in ``state`` as they come, so an interrupt keeps them.
+    A *unit* is one prompt of one repeat, timed by every row; ``on_unit(n)`` is called
+    after each with the units done so far, and a resumed bench starts at ``start_unit``
+    (its earlier units' results already in ``state``).
     """
     device = next(state.rows[0].model.parameters()).device
     prompts = [torch.as_tensor(ids, dtype=torch.long, device=device) for _, ids in state.prompts]
@@ -749,22 +760,26 @@ def measure_interleaved(state: BenchState, max_new_tokens: int, temperature: flo
             _, stats, _ = row(prompts[0], min(warmup_tokens, max_new_tokens), temperature, seed)
             state.warmup_compile_seconds[r] = float((stats or {}).get("compile_seconds", 0.0))
             bar.update()
+        bar.update(n_rows * start_unit)  # a resumed bench: the runs timed before
         with frozen_heap():  # after the warm-ups: their compiled graphs are frozen too
-            _timed_rows(state, prompts, max_new_tokens, temperature, repeats, seed, bar)
+            _timed_rows(state, prompts, max_new_tokens, temperature, repeats, seed, bar, start_unit, on_unit)
 
 
 def _timed_rows(state: BenchState, prompts: list[torch.Tensor], max_new_tokens: int, temperature: float,
-                repeats: int, seed: int, bar: Any) -> None:
+                repeats: int, seed: int, bar: Any, start_unit: int = 0,
+                on_unit: Callable[[int], None] | None = None) -> None:
     """:func:`measure_interleaved`'s timed runs: every row on every prompt, the order rotating."""
     n_rows = len(state.rows)
-    for _ in range(repeats):
-        for p, ids in enumerate(prompts):
-            shift = p % n_rows
-            for r in list(range(shift, n_rows)) + list(range(shift)):
-                bar.set_postfix_str(f"{state.rows[r].name} | prompt {p + 1}/{len(prompts)}")
-                res = timed_run(state.rows[r], ids, max_new_tokens, temperature, seed + p)
-                state.results.setdefault((r, p), []).append(res)
-                bar.update()
+    for unit in range(start_unit, repeats * len(prompts)):
+        p, ids = unit % len(prompts), prompts[unit % len(prompts)]
+        shift = p % n_rows
+        for r in list(range(shift, n_rows)) + list(range(shift)):
+            bar.set_postfix_str(f"{state.rows[r].name} | prompt {p + 1}/{len(prompts)}")
+            res = timed_run(state.rows[r], ids, max_new_tokens, temperature, seed + p)
+            state.results.setdefault((r, p), []).append(res)
+            bar.update()
+        if on_unit is not None:
+            on_unit(unit + 1)
 
 
 def cost_context(model: torch.nn.Module, prompt: Sequence[int], max_new_tokens: int, k_max: int) -> list[int]:

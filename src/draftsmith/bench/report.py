@@ -297,7 +297,9 @@ def build_report(state: BenchState, cfg: BenchConfig, provenance: dict[str, Any]
         "config": to_dict(cfg),
         "environment": environment(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(state.started)),
-        "seconds": time.time() - state.started,
+        "seconds": state.measuring_seconds(),  # a resumed bench: every attempt's, not the time between them
+        "resumed": [{**a, "resumed": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a["resumed"]))}
+                    for a in state.attempts],
         "load_average": {"start": state.load_at_start, "end": load_average()},
         "prompts": {"requested": len(state.prompts), "measured": len(measured_prompts),
                     "runs": sum(len(v) for v in state.results.values()),
@@ -498,6 +500,16 @@ def render_markdown(report: dict[str, Any]) -> str:
     if load is not None and load > 0.25 * cpus:
         lines += ["", f"Note: the machine was busy at the start (load {load:.1f} on {cpus} CPUs); "
                       "timings may be noisy."]
+    n_prompts = report["prompts"]["requested"]
+    for a in report.get("resumed") or []:
+        lines += ["", f"Resumed at {a['resumed']} after an interruption: the step costs"
+                      + (", the weight layout" if prov.get("weight_layout_asked") == "auto" else "")
+                      + (", the chosen k" if report.get("k_choice") else "")
+                      + f" and every row's timings of the first {a['units_done']} of "
+                      + (f"{n_prompts} prompts" if cfg["repeats"] == 1 else
+                         f"{n_prompts * cfg['repeats']} prompt passes ({n_prompts} prompts x {cfg['repeats']} repeats)")
+                      + " come from before it"
+                      + (f" (load {a['load']:.1f} at the restart)" if a.get("load") is not None else "") + "."]
     if report["partial"]:
         lines += ["", f"**PARTIAL REPORT: {report['note']} after {report['prompts']['runs']} runs "
                       f"({report['prompts']['measured']}/{report['prompts']['requested']} prompts).**"]

@@ -14,6 +14,7 @@ from draftsmith.bench.measure import (LAYOUT_TIE, BenchState, Row, apply_draft_c
                                       choose_ks, choose_weight_layout, engine_rows, judge_outputs, judge_quality,
                                       measure_costs, measure_interleaved, parse_confidence, precision_label,
                                       quantized_rows)
+from draftsmith.bench import resume
 from draftsmith.bench.report import build_report, render_markdown, write_report
 from draftsmith.config import opt
 from draftsmith.decoding.proposers import Eagle3Proposer, Proposer
@@ -162,6 +163,11 @@ class BenchConfig(BenchSettings):
     dtype: str = opt("auto", "model dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
     device: str = opt("auto", "device: auto, cpu, cuda, cuda:N")
     progress: bool = opt(True, "show a progress bar")
+    resume: bool = opt(True, "continue an interrupted bench in --out where it stopped: its step costs, chosen k, "
+                             "thresholds and weight layout, and every prompt all rows had timed, are kept, and the "
+                             "timing goes on from the next prompt; only with the same settings, prompts, verifier, "
+                             "drafts, machine and versions (otherwise it starts afresh and says what differs). "
+                             "--no-resume times everything again")
 
     def __post_init__(self) -> None:
         if not self.drafter and not self.draft:
@@ -201,21 +207,29 @@ def benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], prop
 def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], proposers: dict[str, Proposer],
                cfg: BenchConfig, out_dir: Path, provenance: dict[str, Any] | None, draft_dirs: dict[str, Path],
                servers: contextlib.ExitStack, pilot: list[tuple[str, list[int]]]) -> dict[str, Any]:
+    checkpoint = resume.Checkpoint(out_dir, resume.identity(cfg, provenance or {}, prompts, pilot, proposers, model))
+    saved = checkpoint.load() if cfg.resume else None
     proposers, confidence = with_draft_confidences(with_draft_precisions(proposers, cfg.draft_precision),
                                                    cfg.draft_confidence)
     layout, layout_choice = cfg.weight_layout, None
-    if layout == "auto":
+    if saved is not None:
+        layout, layout_choice = resume.layout_of(saved)
+        print(f"bench: resuming the interrupted bench in {out_dir}: its step costs and its first "
+              f"{saved['units_done']} of {cfg.repeats * len(prompts)} prompt passes, timed by every row, are kept "
+              "(--no-resume times everything again)", file=sys.stderr)
+    elif layout == "auto":
         if cfg.progress:
             print("bench: choosing the weight layout (--weight-layout auto): timing the verifier's steps ...",
                   file=sys.stderr)
         layout_choice = choose_weight_layout(model, prompts[0][1], cfg.num_draft_tokens, cfg.max_new_tokens,
                                              compiled=cfg.compile)
         layout = layout_choice["layout"]
+    checkpoint.layout, checkpoint.layout_choice = layout, layout_choice
     # the EAGLE-3 drafts' weights are held as the verifier's, so draft and verifier steps stay comparable
     drafts = [p.draft for p in proposers.values() if isinstance(getattr(p, "draft", None), torch.nn.Module)]
 
     pre = None
-    if cfg.choose_k and proposers:
+    if cfg.choose_k and proposers and saved is None:
         if not pilot:
             raise DraftsmithError("--choose-k: no pilot prompts (the dataset has no prompt left after the first "
                                   "--num-prompts); lower --num-prompts or leave --choose-k off")
@@ -229,7 +243,8 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
             apply_draft_confidence(pre, proposers, confidence, cfg.num_draft_tokens)
             pre.k_choice = choose_ks(pre, proposers, cfg.num_draft_tokens, pilot, cfg.max_new_tokens,
                                      cfg.temperature, cfg.seed, cfg.compile)
-    chosen = {name: c["k"] for name, c in (pre.k_choice if pre else {}).items()}
+    k_choice = saved["k_choice"] if saved is not None else pre.k_choice if pre else {}
+    chosen = {name: c["k"] for name, c in k_choice.items()}
     rows = build_rows(model, proposers, cfg.num_draft_tokens, cfg.hf_reference, cfg.hf_lookup_tokens, cfg.compile,
                       chosen)
     if OURS not in cfg.engines:
@@ -238,9 +253,17 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
     rows += engine_rows(servers, cfg.engines, model, cfg.verifier, draft_dirs, cfg.num_draft_tokens,
                         Path(out_dir) / "engine-logs", cfg.threads, cfg.draft_precision, chosen)
     state = BenchState(rows, prompts)
-    if pre is not None:  # the costs measured for the choice are the bench's, and its clock started with them
+    start_unit = 0
+    if saved is not None:  # the costs, k choice and stop rules of the interrupted bench, and its timed prompts
+        resume.restore_costs(state, saved)
+        resume.restore_confidence(proposers, state.draft_confidence)
+        try:
+            start_unit = resume.restore_results(state, saved)
+        except ValueError as e:
+            raise DraftsmithError(f"{checkpoint.path}: cannot resume: {e}; run with --no-resume") from e
+    elif pre is not None:  # the costs measured for the choice are the bench's, and its clock started with them
         for name in ("costs", "plain_steps", "verify_steps", "draft_per_call", "draft_fit", "costs_compile_seconds",
-                     "k_choice", "draft_confidence", "started", "load_at_start"):
+                     "k_choice", "draft_confidence", "started", "attempt_started", "load_at_start"):
             setattr(state, name, getattr(pre, name))
     state.layout_choice = layout_choice
     param = next(model.parameters())
@@ -251,7 +274,7 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
                   "compile_shared_aux": list(shared_aux_layers(model))}
     # every row decodes inside the block (the quantized rows hold their own copies, made above)
     with weight_layouts([model, *drafts], layout):
-        return _measure(state, model, proposers, cfg, out_dir, provenance, confidence)
+        return _measure(state, model, proposers, cfg, out_dir, provenance, confidence, checkpoint, start_unit)
 
 
 def drafts_aux(proposers: dict[str, Proposer]) -> tuple[int, ...]:
@@ -296,16 +319,19 @@ def with_draft_precisions(proposers: dict[str, Proposer], precisions: list[str])
 
 
 def _measure(state: BenchState, model: torch.nn.Module, proposers: dict[str, Proposer], cfg: BenchConfig,
-             out_dir: Path, provenance: dict[str, Any], confidence: dict[str, str]) -> dict[str, Any]:
+             out_dir: Path, provenance: dict[str, Any], confidence: dict[str, str], checkpoint: resume.Checkpoint,
+             start_unit: int) -> dict[str, Any]:
     try:
-        if cfg.progress:
-            print("bench: measuring verifier and draft step costs ...", file=sys.stderr)
-        if state.costs is None:  # (measured already where --choose-k chose k with them)
+        if state.costs is None:  # (measured already where --choose-k chose k with them, or a resumed bench did)
+            if cfg.progress:
+                print("bench: measuring verifier and draft step costs ...", file=sys.stderr)
             measure_costs(state, proposers, cfg.num_draft_tokens, cfg.max_new_tokens, cfg.temperature, cfg.seed,
                           cfg.compile)
             apply_draft_confidence(state, proposers, confidence, cfg.num_draft_tokens)
+        checkpoint.save(state, start_unit)
         measure_interleaved(state, cfg.max_new_tokens, cfg.temperature, cfg.repeats, cfg.seed,
-                            progress=cfg.progress, warmup_tokens=cfg.warmup_tokens)
+                            progress=cfg.progress, warmup_tokens=cfg.warmup_tokens, start_unit=start_unit,
+                            on_unit=lambda units: checkpoint.save(state, units))
         if cfg.temperature == 0:
             judge_outputs(state, model)
         judge_quality(state, model, greedy=cfg.temperature == 0)
@@ -316,6 +342,7 @@ def _measure(state: BenchState, model: torch.nn.Module, proposers: dict[str, Pro
         raise
     report = build_report(state, cfg, provenance)
     write_report(report, out_dir)
+    checkpoint.remove()  # complete: a later run measures afresh
     return report
 
 
@@ -355,8 +382,10 @@ def _run_bench(cfg: BenchConfig) -> int:
         report = benchmark(model, prompts, proposers, cfg, Path(cfg.out), provenance, draft_dirs, pilot)
     except KeyboardInterrupt as e:
         written = getattr(e, "partial_report", None)
-        print(f"bench: partial report written to {written}" if written else
-              "bench: stopped before its timed runs; no report written", file=sys.stderr)
+        kept = Path(cfg.out) / resume.STATE_FILE
+        print((f"bench: partial report written to {written}" if written else
+               "bench: stopped before its timed runs; no report written")
+              + ("; the same command continues where it stopped" if kept.is_file() else ""), file=sys.stderr)
         raise
     print(render_markdown(report))
     return 0
