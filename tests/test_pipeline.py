@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -87,6 +88,13 @@ def test_end_to_end_report_and_cache(setup, reference, capsys):
     assert (Path(report["candidate_draft"]) / "config.json").is_file()
     assert report["bench"]["candidate"]["identical_output_rate"] == 1.0
     assert report["bench"]["candidate"]["outputs"] == {"identical": 2, "tie": 0, "mismatch": 0}
+    # report.md: the verdict first, every step, and links that resolve (the training curves, the bench's report)
+    md = (reference / "report.md").read_text()
+    assert md.splitlines()[2].startswith("**FAIL**") and all(f"- {r}" in md for r in gate["reasons"])
+    assert all(f"| {name} |" in md for name in report["steps"])
+    links = re.findall(r"\]\(([^)]+)\)", md)
+    assert any(x.endswith("training.png") for x in links) and any(x.endswith("report.md") for x in links)
+    assert all((reference / x).is_file() for x in links), links
     # a second run with nothing changed does no work: every step comes from the cache
     root, verifier = setup
     rc = main(["pipeline", "run", str(root / "ref.yaml")])

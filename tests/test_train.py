@@ -128,12 +128,33 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, samples, monkeypatch):
     monkeypatch.setattr(loop_mod, "collate", interrupting)
     with pytest.raises(KeyboardInterrupt):
         _train(cut, samples)
+    assert (Path(cut.out) / "training.png").is_file()  # the interrupted run's curves, drawn on the way out
     monkeypatch.setattr(loop_mod, "collate", real)
     _train(cut, samples)
     got = torch.load(sorted((Path(cut.out) / "checkpoints").glob("step-*.pt"))[-1], weights_only=False)
     assert got["step"] == ref["step"]
     for k, v in ref["model"].items():
         assert torch.equal(v, got["model"][k]), k
+    # the curves of the resumed run are the uninterrupted run's
+    from draftsmith.train.curves import read_metrics
+
+    a, b = read_metrics(Path(cut.out) / "metrics.jsonl"), read_metrics(Path(full.out) / "metrics.jsonl")
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b])
+
+
+def test_training_curves_draw_a_step_logged_twice_once(tmp_path):
+    """After kill -9 the resumed run logs again the steps after its last checkpoint: the later record
+    is the one drawn; a torn last line (the kill mid-write) is skipped."""
+    from draftsmith.train.curves import plot_training, read_metrics
+
+    recs = [{"step": 1, "loss": 3.0, "step_acc": [0.1, 0.0]}, {"step": 2, "loss": 2.0, "step_acc": [0.2, 0.1]},
+            {"step": 2, "loss": 1.5, "step_acc": [0.3, 0.1], "val_acceptance_length": 1.4, "val_k": 2},
+            {"step": 3, "loss": 1.0, "step_acc": [0.4, 0.2]}]
+    f = tmp_path / "metrics.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"step": 4, "lo')
+    assert [(r["step"], r["loss"]) for r in read_metrics(f)] == [(1, 3.0), (2, 1.5), (3, 1.0)]
+    assert plot_training(f, tmp_path / "t.png", "x").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_resume_refuses_other_config(tmp_path, samples):
@@ -174,6 +195,13 @@ def test_validation_acceptance_improves(tmp_path, samples):
     assert len(vals) >= 3 and max(vals) > vals[0] + 0.5, vals
     assert res.best_acceptance_length == max(vals)
     assert (Path(cfg.out) / "draft" / "config.json").is_file()
+    png = Path(res.metrics["plot"])
+    assert png == Path(cfg.out) / "training.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from draftsmith.train.curves import plot_training
+
+    (tmp_path / "empty.jsonl").write_text("")
+    assert plot_training(tmp_path / "empty.jsonl", tmp_path / "none.png") is None  # nothing trained: no picture
+    assert not (tmp_path / "none.png").exists()
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun gloo test needs linux")

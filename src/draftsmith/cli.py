@@ -159,7 +159,8 @@ def run_train(cfg: Any) -> int:
 
     res = train(cfg)
     print(f"trained {res.steps} steps in {res.seconds:.0f}s; best validation acceptance length "
-          f"{res.best_acceptance_length:.2f} (k={cfg.eval_steps}) -> {res.draft_dir}")
+          f"{res.best_acceptance_length:.2f} (k={cfg.eval_steps}) -> {res.draft_dir}"
+          + (f"; training curves: {res.metrics['plot']}" if res.metrics.get("plot") else ""))
 
 
 # ----------------------------------------------------------------------------- export

@@ -20,6 +20,7 @@ from draftsmith.errors import DraftsmithError, GateFailed
 from draftsmith.pipeline import budget, steps
 from draftsmith.pipeline.cache import StepCache, digest
 from draftsmith.pipeline.config import PipelineConfig, build_config
+from draftsmith.pipeline.report import write_markdown
 from draftsmith.utils import atomic_write_json, command_line, environment_info, resolve_device, resolve_dtype
 
 
@@ -165,7 +166,8 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
         "seconds_with_earlier_attempts": spent() if cache.count_earlier else None,
         "data": {"prompts": p["count"], "regenerated": r["count"], "tokens": c.get("tokens"),
                  "regeneration_cut": r.get("cut")},
-        "train": {k: t[k] for k in ("steps", "best_val_acceptance_length", "train_seconds")},
+        "train": {**{k: t[k] for k in ("steps", "best_val_acceptance_length", "train_seconds")},
+                  "plot": (t.get("summary") or {}).get("plot")},
         "bench": {"report": b["report"], "candidate": b["summary"], "previous": b.get("previous")},
         "gate": verdict, "candidate_draft": str(candidate_dir),
         "deployed_draft": str(deployed) if verdict["passed"] else None,
@@ -183,6 +185,7 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
     if drift is not None:
         report["after"] = b["summary"]
     atomic_write_json(out / "report.json", report)
+    write_markdown(report, out)
     return report
 
 
@@ -197,7 +200,8 @@ def verdict_line(report: dict[str, Any]) -> str:
 
 
 def _finish(report: dict[str, Any], out: Path) -> int:
-    print(f"report: {out / 'report.json'} (bench details: {report['bench']['report']})")
+    print(f"report: {out / 'report.md'} ({out / 'report.json'}; bench details: "
+          f"{Path(report['bench']['report']).with_suffix('.md')})")
     if "before" in report:
         b, a = report["before"], report.get("after")
         if b and a:

@@ -373,6 +373,18 @@ class TimeFit:
         return total
 
 
+def draw_curves(out: Path, title: str = "") -> Path | None:
+    """``OUT/training.png`` from ``OUT/metrics.jsonl`` (:mod:`draftsmith.train.curves`); a plot that
+    fails is logged, never raised: the trained draft matters more than its picture."""
+    from draftsmith.train.curves import PLOT, plot_training
+
+    try:
+        return plot_training(out / "metrics.jsonl", out / PLOT, title)
+    except Exception as e:  # noqa: BLE001
+        log.warning("could not draw %s: %s", out / PLOT, e)
+        return None
+
+
 def _split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """Deterministic sample split by a hash of (seed, index)."""
     train, val = [], []
@@ -668,13 +680,16 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
         bar.close()
         if metrics_f:
             metrics_f.close()
+            # interrupted too: the picture of what was trained
+            draw_curves(out, f"a draft for {Path(str(cfg.verifier)).name}")
     if not val_rows and dist.main:  # no validation data: the last weights are the result
         save_best(last_metrics)
     dist.barrier()
     seconds = time.perf_counter() - t_start
     summary = {**last_metrics, "train_seconds": seconds, "tokens_seen": tokens_seen,
                "vocab_coverage": vocab_cov, "best_val_acceptance_length": best, "total_steps": schedule.total,
-               "cut": cut, "fits": fit.fits if fit else [], "cap_steps": cap_steps}
+               "cut": cut, "fits": fit.fits if fit else [], "cap_steps": cap_steps,
+               "plot": str(out / "training.png") if (out / "training.png").is_file() else None}
     if dist.main:
         atomic_write_json(out / "train_summary.json", summary)
     return TrainResult(out / "draft", best, step, seconds, summary, draft)
