@@ -596,6 +596,21 @@ def test_a_resumed_bench_keeps_its_layout_k_choice_and_confidence_thresholds(tin
     assert [r["identical_output_rate"] for r in report["rows"]] == [1.0, 1.0]
 
 
+def test_a_draft_retrained_in_place_is_not_resumed_with_the_old_ones_timings():
+    """The checkpoint names the drafts by their weights: one weight changed changes the digest; the same
+    weights (another object, as a resumed bench loads them) keep it."""
+    from draftsmith.bench.resume import module_digest
+
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    b = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    b.load_state_dict(a.state_dict())
+    assert module_digest(a) == module_digest(b)
+    with torch.no_grad():
+        b[0].weight[3, 5] += 1e-6
+    assert module_digest(a) != module_digest(b)
+
+
 def test_the_checkpoint_gives_back_what_it_was_given(tiny):
     """Every field a resumed bench reads comes back equal, with its integer keys and tuples (JSON has neither)."""
     from draftsmith.bench import resume

@@ -253,3 +253,17 @@ def test_help_text_with_a_percent_sign_renders():
     parser = argparse.ArgumentParser(prog="odd")
     add_arguments(parser, Odd)
     assert "70% of replies loop" in parser.format_help()
+
+
+@pytest.mark.slow
+def test_generate_streams_the_text_it_prints_with_json(capsys):
+    """Text mode streams round by round (--stream, the default): the streamed text is --json's text,
+    and the stats line follows it; --no-stream prints the same text at the end."""
+    base = ["generate", "--verifier", "smollm2-135m", "--prompt", "The capital of France is", "--max-new-tokens",
+            "16", "--drafter", "ngram", "--weight-layout", "out-in"]
+    assert main(base + ["--json"]) == 0
+    text = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"]
+    for extra in ([], ["--no-stream"]):
+        assert main(base + extra) == 0
+        shown, stats = capsys.readouterr().out.rsplit("\n[", 1)
+        assert shown.strip() == text.strip() and stats.startswith("16 tokens in"), (extra, shown, text)

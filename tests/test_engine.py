@@ -98,6 +98,27 @@ def test_time_steps_times_every_verify_forward_by_its_length():
     assert sum(map(len, partial.stats["step_seconds"].values())) == partial.stats["verifier_forwards"] - 1
 
 
+def test_on_tokens_streams_each_rounds_tokens_and_keeps_its_time_out():
+    """Streaming: the callback gets the prompt's token, then each round's accepted tokens and its own,
+    in order, so the pieces join into the output (an EOS inside a round included); a slow callback
+    is not counted in ``seconds``."""
+    import time
+
+    verifier = tiny_model("llama")
+    prompt = _prompt(5)
+    plain = generate(verifier, prompt, max_new_tokens=30, eos_token_id=[]).token_ids
+    for drafter, eos in ((None, []), (DraftModelProposer(verifier), []), (_drafters("llama")["partial"], []),
+                         (DraftModelProposer(verifier), plain[11])):
+        pieces: list[list[int]] = []
+        out = generate(verifier, prompt, proposer=drafter, max_new_tokens=30, num_draft_tokens=3, eos_token_id=eos,
+                       on_tokens=pieces.append)
+        assert [t for piece in pieces for t in piece] == out.token_ids
+        assert len(pieces) == out.stats["verifier_forwards"]  # one piece per forward: streamed as decided
+        assert out.token_ids == (plain if eos == [] else plain[: plain.index(eos) + 1])
+    slow = generate(verifier, prompt, max_new_tokens=6, eos_token_id=[], on_tokens=lambda _: time.sleep(0.2))
+    assert slow.stats["stream_seconds"] >= 6 * 0.2 and slow.stats["seconds"] < 6 * 0.2
+
+
 def test_random_drafter_metrics():
     verifier = tiny_model("llama", vocab=VOCAB)
     out = generate(verifier, _prompt(2), proposer=DraftModelProposer(tiny_model("llama", seed=99)),

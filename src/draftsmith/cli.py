@@ -46,6 +46,8 @@ class GenerateConfig:
     dtype: str = opt("auto", "model dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
     device: str = opt("auto", "device: auto, cpu, cuda, cuda:N")
     json: bool = opt(False, "print one JSON object with text, token_ids and stats")
+    stream: bool = opt(True, "print the text as it is decided, round by round (not with --json); the time "
+                             "it takes is kept out of the tok/s printed after it")
     compile: bool = opt(False, "torch.compile the verifier and draft steps (CUDA graphs on CUDA; on CPU the "
                                "weights frozen into the graph and multiplied by inductor's C++ GEMM kernel, ~2x "
                                "faster steps for a second copy of the weights in memory); the compile time "
@@ -104,17 +106,26 @@ def run_generate(cfg: GenerateConfig) -> int:
         layout = choose_weight_layout(model, ids, [cfg.num_draft_tokens], cfg.max_new_tokens,
                                       compiled=cfg.compile)["layout"]
     draft = getattr(proposer, "draft", None)
+    streamer = None
+    if cfg.stream and not cfg.json:
+        from transformers import TextStreamer
+
+        streamer = TextStreamer(tokenizer, skip_special_tokens=True)
     with weight_layouts([model] + ([draft] if isinstance(draft, torch.nn.Module) else []), layout):
         out = generate(model, ids, proposer=proposer, max_new_tokens=cfg.max_new_tokens,
                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                       num_draft_tokens=cfg.num_draft_tokens, seed=cfg.seed, compile=cfg.compile)
+                       num_draft_tokens=cfg.num_draft_tokens, seed=cfg.seed, compile=cfg.compile,
+                       on_tokens=None if streamer is None else lambda new: streamer.put(torch.tensor(new)))
     out.stats["weight_layout"] = layout
     text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
     if cfg.json:
         print(json.dumps({"text": text, "token_ids": out.token_ids, "stats": out.stats}))
     else:
         s = out.stats
-        print(text)
+        if streamer is not None:
+            streamer.end()  # the text's last words, and a newline
+        else:
+            print(text)
         print(f"\n[{s['new_tokens']} tokens in {s['seconds']:.2f}s = {s['tokens_per_second']:.1f} tok/s; "
               f"verifier forwards {s['verifier_forwards']}; drafts {s['drafts']}, "
               f"acceptance length {s['acceptance_length']:.2f}, acceptance rate {s['acceptance_rate']:.2f}; "

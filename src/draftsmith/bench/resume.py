@@ -45,10 +45,22 @@ REPORT_ONLY = ("out", "progress", "bootstrap", "target_speedup", "resume")
 def module_digest(module: torch.nn.Module) -> str:
     """Hash of a module's weights and buffers as held (names, shapes, dtypes, bytes)."""
     h = hashlib.sha256()
+
+    def add(name: str, t: Any) -> None:
+        if isinstance(t, (tuple, list)):  # packed state (a quantized layer's weight and bias)
+            for i, x in enumerate(t):
+                add(f"{name}.{i}", x)
+        elif not isinstance(t, torch.Tensor):
+            h.update(f"{name}:{t!r}".encode())
+        else:
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+            if t.is_quantized:
+                t = t.int_repr()
+            if t.numel():
+                h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+
     for name, t in sorted(module.state_dict().items(), key=lambda kv: kv[0]):
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        if t.numel():
-            h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+        add(name, t)
     return h.hexdigest()[:16]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -59,11 +59,19 @@ def _eos_ids(model: torch.nn.Module, eos_token_id: int | Sequence[int] | None) -
     return frozenset(int(t) for t in eos_token_id)
 
 
+def _stream(on_tokens: Callable[[list[int]], None], tokens: list[int]) -> float:
+    """Hand ``tokens`` to the streaming callback; returns the seconds it took."""
+    t = time.perf_counter()
+    on_tokens(list(tokens))
+    return time.perf_counter() - t
+
+
 def generate(model: torch.nn.Module, input_ids: Any, proposer: Proposer | None = None,
              max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, num_draft_tokens: int = 5, seed: int | None = None,
              eos_token_id: int | Sequence[int] | None = None, compile: bool = False,
-             engine: str = "auto", time_steps: bool = False) -> GenerationOutput:
+             engine: str = "auto", time_steps: bool = False,
+             on_tokens: Callable[[list[int]], None] | None = None) -> GenerationOutput:
     """Generate with speculative decoding (or plainly, when ``proposer`` is None).
 
     At temperature 0 the output equals the verifier's own greedy decoding; above 0
@@ -87,6 +95,8 @@ def generate(model: torch.nn.Module, input_ids: Any, proposer: Proposer | None =
         time_steps: time every verifier forward after the prompt's (on CUDA with a device sync
             around each) into ``stats["step_seconds"]``: ``{tokens verified: [seconds, ...]}``,
             the step prices as the loop pays them (:func:`draftsmith.bench.measure.measure_costs`).
+        on_tokens: called with each round's new token ids as they are decided (streaming); the
+            time it takes is kept out of ``seconds`` (``stats["stream_seconds"]``).
 
     Returns:
         :class:`GenerationOutput` with the new token ids and statistics.
@@ -136,6 +146,9 @@ def generate(model: torch.nn.Module, input_ids: Any, proposer: Proposer | None =
             seq[L] = token
             T = L + 1  # seq[:T] is the context; seq[T-1] is the pending token
             out = [token]
+            streamed = 0.0
+            if on_tokens is not None:
+                streamed = _stream(on_tokens, out)
             while len(out) < budget and token not in eos:
                 k = min(num_draft_tokens, budget - len(out) - 1) if proposer is not None else 0
                 draft, q = seq[:0], None
@@ -178,9 +191,11 @@ def generate(model: torch.nn.Module, input_ids: Any, proposer: Proposer | None =
                 T += len(new)
                 out.extend(new)
                 token = new[-1]
+                if on_tokens is not None:
+                    streamed += _stream(on_tokens, new)
             if cuda:
                 torch.cuda.synchronize(device)
-            seconds = time.perf_counter() - t0
+            seconds = time.perf_counter() - t0 - streamed
         finally:
             runner.close()
 
@@ -201,6 +216,8 @@ def generate(model: torch.nn.Module, input_ids: Any, proposer: Proposer | None =
         "compile_seconds": runner.compile_seconds + float(getattr(proposer, "compile_seconds", 0.0)),
         "verify_tiers": getattr(runner, "verify_tiers", {}),
     }
+    if on_tokens is not None:
+        stats["stream_seconds"] = streamed
     if time_steps:
         stats["step_seconds"] = step_seconds
     return GenerationOutput(out, stats)
