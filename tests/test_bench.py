@@ -547,6 +547,43 @@ def test_an_interrupted_bench_resumes_where_it_stopped(tiny, tmp_path, monkeypat
     assert "resumed" in report and report["resumed"] == []
 
 
+def test_an_error_mid_bench_leaves_a_partial_report_and_the_same_bench_resumes(tiny, tmp_path, monkeypatch):
+    """A row that fails (a serving engine that died, memory) after a prompt all rows timed: the error
+    propagates, the partial report says what stopped it, and the same bench afterwards times only what
+    was left (negative control: an error before any timed run writes no report)."""
+    from draftsmith.bench import resume
+
+    cfg = _cfg(tmp_path, num_draft_tokens=[2], num_prompts=2, hf_reference=False)
+    run = measure.timed_run
+    calls: list[int] = []
+
+    def failing(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the server went away")
+        return run(*a, **kw)
+
+    monkeypatch.setattr(measure, "timed_run", failing)
+    with pytest.raises(RuntimeError, match="went away") as e:
+        benchmark(tiny, _prompts(2), {"ngram": NgramProposer()}, cfg, tmp_path, {"fingerprint": "f"})
+    assert e.value.partial_report == tmp_path / "report.md"
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["partial"] and report["note"] == "stopped by an error (RuntimeError: the server went away)"
+    assert "stopped by an error" in (tmp_path / "report.md").read_text()
+    calls.clear()
+    monkeypatch.setattr(measure, "timed_run", lambda *a, **kw: calls.append(1) or run(*a, **kw))
+    report = benchmark(tiny, _prompts(2), {"ngram": NgramProposer()}, cfg, tmp_path, {"fingerprint": "f"})
+    assert len(calls) == 2 and not report["partial"] and not (tmp_path / resume.STATE_FILE).exists()
+
+    other = tmp_path / "early"
+    monkeypatch.setattr("draftsmith.bench.run.measure_costs", lambda *a, **kw: (_ for _ in ()).throw(
+        RuntimeError("before timing")))
+    with pytest.raises(RuntimeError) as e:
+        benchmark(tiny, _prompts(2), {"ngram": NgramProposer()}, _cfg(other, num_draft_tokens=[2], num_prompts=2,
+                                                                      hf_reference=False), other, {})
+    assert not hasattr(e.value, "partial_report") and not (other / "report.json").exists()
+
+
 def test_a_bench_of_other_settings_is_not_resumed_and_says_what_differs(tiny, tmp_path, monkeypatch, capsys):
     """Negative controls: another --max-new-tokens, another verifier fingerprint, --no-resume: the saved units
     are not used (every unit is timed again), and the first two say what differs."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from draftsmith.engines import ENGINES, OURS
 from draftsmith.errors import DraftsmithError, interruption
 from draftsmith.models.quantize import DRAFT_PRECISIONS, QUANTIZATIONS, quantize_draft
 from draftsmith.models.verifier import WEIGHT_LAYOUTS, weight_layouts
+
+log = logging.getLogger(__name__)
 
 EVAL_DATASETS = ("mt-bench", "humaneval")
 #: ``--weight-layout`` choices: ``auto`` (the bench times the candidates and picks one) or a layout
@@ -340,6 +343,15 @@ def _measure(state: BenchState, model: torch.nn.Module, proposers: dict[str, Pro
         write_report(build_report(state, cfg, provenance), out_dir)
         e.partial_report = out_dir / "report.md"  # type: ignore[attr-defined]
         raise
+    except Exception as e:  # a server that died, memory, a bug: what was timed is reported, then the error
+        if state.results:
+            state.partial, state.note = True, f"stopped by an error ({type(e).__name__}: {e})"
+            try:
+                write_report(build_report(state, cfg, provenance), out_dir)
+                e.partial_report = out_dir / "report.md"  # type: ignore[attr-defined]
+            except Exception as report_error:  # noqa: BLE001 -- the first error is the one to see
+                log.warning("bench: no partial report after the error: %s", report_error)
+        raise
     report = build_report(state, cfg, provenance)
     write_report(report, out_dir)
     checkpoint.remove()  # complete: a later run measures afresh
@@ -386,6 +398,12 @@ def _run_bench(cfg: BenchConfig) -> int:
         print((f"bench: partial report written to {written}" if written else
                "bench: stopped before its timed runs; no report written")
               + ("; the same command continues where it stopped" if kept.is_file() else ""), file=sys.stderr)
+        raise
+    except Exception as e:
+        written = getattr(e, "partial_report", None)
+        if written:
+            print(f"bench: partial report written to {written}; once the error below is mended, the same command "
+                  "continues where it stopped", file=sys.stderr)
         raise
     print(render_markdown(report))
     return 0
