@@ -518,8 +518,10 @@ def test_an_interrupted_bench_resumes_where_it_stopped(tiny, tmp_path, monkeypat
     with pytest.raises(KeyboardInterrupt):
         benchmark(tiny, _prompts(3), props(), cfg, tmp_path, {"fingerprint": "f"})
     partial = json.loads((tmp_path / "report.json").read_text())
-    saved = json.loads((tmp_path / resume.STATE_FILE).read_text())
-    assert partial["partial"] and saved["units_done"] == 2 and partial["prompts"]["runs"] == 2 * rows + 1
+    units = (tmp_path / resume.UNITS_FILE).read_text().splitlines()
+    assert partial["partial"] and len(units) == 2 and partial["prompts"]["runs"] == 2 * rows + 1
+    with open(tmp_path / resume.UNITS_FILE, "a") as f:  # kill -9 mid-append: a torn last line
+        f.write('{"unit": 2, "prompt": 2, "runs": [[0, {"token_')
 
     def no_costs(*a, **kw):
         raise AssertionError("a resumed bench measures its step costs again")
@@ -539,7 +541,7 @@ def test_an_interrupted_bench_resumes_where_it_stopped(tiny, tmp_path, monkeypat
         assert len(now["p0"]) == len(now["p1"]) == len(now["p2"]) == 2  # and the rest timed once each
         assert now["p2"][0] not in first.get("p2", [])  # the unit half done when stopped: timed again in full
         assert after["identical_output_rate"] == 1.0
-    assert not (tmp_path / resume.STATE_FILE).exists()
+    assert not (tmp_path / resume.STATE_FILE).exists() and not (tmp_path / resume.UNITS_FILE).exists()
     # complete: the same bench again measures afresh (and so does --no-resume; negative controls of the kept units)
     calls = _stop_timed_runs_at(monkeypatch, -1)
     monkeypatch.undo()
@@ -582,6 +584,37 @@ def test_an_error_mid_bench_leaves_a_partial_report_and_the_same_bench_resumes(t
         benchmark(tiny, _prompts(2), {"ngram": NgramProposer()}, _cfg(other, num_draft_tokens=[2], num_prompts=2,
                                                                       hf_reference=False), other, {})
     assert not hasattr(e.value, "partial_report") and not (other / "report.json").exists()
+
+
+def test_serving_engines_of_another_version_keep_the_costs_but_time_every_unit_again(tiny, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """The engines' versions are known only once they run: a resumed bench whose engines differ from the
+    saved ones keeps the step costs (our engine's) and times every unit again."""
+    from draftsmith.bench import resume
+
+    cfg = _cfg(tmp_path, num_draft_tokens=[2], num_prompts=2, hf_reference=False)
+    _stop_timed_runs_at(monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        benchmark(tiny, _prompts(2), {"ngram": NgramProposer()}, cfg, tmp_path, {"fingerprint": "f"})
+    header = json.loads((tmp_path / resume.STATE_FILE).read_text())
+    header["engines"] = {"vllm plain": {"version": "0.31.0", "program": "python"}}
+    (tmp_path / resume.STATE_FILE).write_text(json.dumps(header))
+    monkeypatch.setattr("draftsmith.bench.run.measure_costs", lambda *a, **kw: pytest.fail("costs measured again"))
+    calls = _stop_timed_runs_at(monkeypatch, -1)
+    report = benchmark(tiny, _prompts(2), {"ngram": NgramProposer()}, cfg, tmp_path, {"fingerprint": "f"})
+    assert len(calls) == 2 * 2 and report["resumed"][0]["units_done"] == 0
+    assert "every prompt is timed again" in capsys.readouterr().err
+
+
+def test_a_checkpoint_that_cannot_be_written_is_warned_about_and_the_bench_goes_on(tiny, tmp_path, caplog):
+    from draftsmith.bench import resume
+
+    (tmp_path / resume.UNITS_FILE).mkdir()  # appending to it fails (as a full disk would)
+    cfg = _cfg(tmp_path, num_draft_tokens=[2], num_prompts=3, hf_reference=False)
+    report = benchmark(tiny, _prompts(3), {"ngram": NgramProposer()}, cfg, tmp_path, {"fingerprint": "f"})
+    assert not report["partial"] and report["prompts"]["runs"] == 2 * 3
+    warned = [r for r in caplog.records if "cannot write the checkpoint" in r.getMessage()]
+    assert len(warned) == 1  # once, not per unit
 
 
 def test_a_bench_of_other_settings_is_not_resumed_and_says_what_differs(tiny, tmp_path, monkeypatch, capsys):
@@ -660,20 +693,24 @@ def test_the_checkpoint_gives_back_what_it_was_given(tiny):
     state.draft_fit = {"d": (0.0005, 0.0005)}
     state.k_choice = {"d": {"k": 2, "predicted_speedup": {"1": 1.1, "2": 1.2}}}
     state.draft_confidence = {"d": {"setting": "auto", "thresholds": [0.1, 0.2]}}
-    state.results = {(0, 0): [measure.RunResult([5, 6], 0.5, {"step_seconds": {1: [0.01]}, "engine": "lean"},
-                                                [(2, 1, 0.001)], 123, None)]}
-    with_checkpoint = resume.Checkpoint(Path("unused"), {"x": 1})
-    with_checkpoint.layout, with_checkpoint.layout_choice = "cpp", {"layout": "cpp", "t_seconds": {"cpp": {1: 0.1}}}
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
-        with_checkpoint.path = Path(d) / resume.STATE_FILE
-        with_checkpoint.save(state, 1)
+        with_checkpoint = resume.Checkpoint(Path(d), {"x": 1})
+        with_checkpoint.layout = "cpp"
+        with_checkpoint.layout_choice = {"layout": "cpp", "t_seconds": {"cpp": {1: 0.1}}}
+        with_checkpoint.start(state, 0)
+        for repeat in range(2):
+            state.results.setdefault((0, 0), []).append(measure.RunResult(
+                [5, 6], 0.5 + repeat, {"step_seconds": {1: [0.01]}, "engine": "lean"}, [(2, 1, 0.001)], 123, None))
+            with_checkpoint.add_unit(state, repeat + 1)
         saved = resume.Checkpoint(Path(d), {"x": 1}).load()
-        assert resume.Checkpoint(Path(d), {"x": 2}).load(say=False) is None  # another bench's
+        assert saved["units_done"] == 2
+        assert resume.Checkpoint(Path(d), {"x": 2}).load(say=False) is None  # another bench's: removed
+        assert not list(Path(d).iterdir())
     back = measure.BenchState([Row("plain (ours)", "plain", tiny)], _prompts(1))
     resume.restore_costs(back, saved)
-    assert resume.restore_results(back, saved) == 1
+    assert resume.restore_results(back, saved) == 2
     for name in ("costs", "plain_steps", "verify_steps", "draft_per_call", "draft_fit", "k_choice",
                  "draft_confidence", "results", "started"):
         assert getattr(back, name) == getattr(state, name), name

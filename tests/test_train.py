@@ -144,16 +144,20 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, samples, monkeypatch):
 
 
 def test_training_curves_draw_a_step_logged_twice_once(tmp_path):
-    """After kill -9 the resumed run logs again the steps after its last checkpoint: the later record
-    is the one drawn; a torn last line (the kill mid-write) is skipped."""
+    """After kill -9 the resumed run logs again the steps after its last checkpoint: the later records
+    are the ones drawn, the abandoned attempt's beyond them dropped; a torn last line (the kill
+    mid-write) is skipped."""
     from draftsmith.train.curves import plot_training, read_metrics
 
     recs = [{"step": 1, "loss": 3.0, "step_acc": [0.1, 0.0]}, {"step": 2, "loss": 2.0, "step_acc": [0.2, 0.1]},
             {"step": 2, "loss": 1.5, "step_acc": [0.3, 0.1], "val_acceptance_length": 1.4, "val_k": 2},
-            {"step": 3, "loss": 1.0, "step_acc": [0.4, 0.2]}]
+            {"step": 3, "loss": 1.0, "step_acc": [0.4, 0.2]}, {"step": 4, "loss": 0.9, "step_acc": [0.4, 0.2]},
+            # killed after step 4, resumed from the checkpoint of step 2, stopped after step 3 (--max-minutes):
+            # the abandoned step 4 is not the run's
+            {"step": 3, "loss": 1.1, "step_acc": [0.4, 0.2], "val_acceptance_length": 1.5, "val_k": 2}]
     f = tmp_path / "metrics.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"step": 4, "lo')
-    assert [(r["step"], r["loss"]) for r in read_metrics(f)] == [(1, 3.0), (2, 1.5), (3, 1.0)]
+    assert [(r["step"], r["loss"]) for r in read_metrics(f)] == [(1, 3.0), (2, 1.5), (3, 1.1)]
     assert plot_training(f, tmp_path / "t.png", "x").read_bytes()[:4] == b"\x89PNG"
 
 

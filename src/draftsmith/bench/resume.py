@@ -1,27 +1,34 @@
 """An interrupted bench continues where it stopped.
 
-A bench of many rows, prompts or serving engines takes hours; a Ctrl-C, SIGTERM or a lost
-machine must not throw its timings away. While it measures, the bench keeps
-``OUT/bench-state.json`` up to date:
+A bench of many rows, prompts or serving engines takes hours; a Ctrl-C, SIGTERM, an error or
+a lost machine must not throw its timings away. While it measures, the bench keeps
 
-- after its step costs are measured (the calibration, ``--choose-k``'s choice, the draft
-  confidence thresholds and ``--weight-layout auto``'s choice come with them), and
-- after every prompt that every row has decoded (a *unit*: one prompt of one repeat).
+- ``OUT/bench-state.json``, written once its step costs are measured (the calibration,
+  ``--choose-k``'s choice, the draft confidence thresholds and ``--weight-layout auto``'s
+  choice come with them), and
+- ``OUT/bench-units.jsonl``, one line appended after every prompt that every row has decoded
+  (a *unit*: one prompt of one repeat), so each write costs one unit, not the bench so far.
 
 Run with the same settings on the same machine, the bench reads it back: the same layout,
 costs, k and thresholds, the units already timed kept as they were, the rows warmed up
 again, and the timing goes on from the next unit. A unit half done when the run stopped is
 timed again in full, so every prompt's rows stay timed side by side (the paired speedups
 rest on that). Anything else that changed (settings, prompts, verifier, drafts, machine,
-versions) starts the bench afresh, and it says why. The file is removed once the full
-report is written.
+versions of the libraries or of draftsmith's own sources) starts the bench afresh, and it says
+why; a serving engine that reports another version than before keeps the step costs but times
+every unit again. A checkpoint that cannot be written is warned about once and the bench goes
+on. The files are removed once the full report is written, and by ``--no-resume``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import importlib.metadata
 import json
+import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,11 +40,14 @@ from draftsmith.bench.costmodel import CostModel
 from draftsmith.bench.measure import BenchState, RunResult, environment, load_average
 from draftsmith.config import to_dict
 from draftsmith.decoding.proposers import Proposer
-from draftsmith.utils import atomic_write_json
+from draftsmith.utils import atomic_write_json, complete_lines
+
+log = logging.getLogger(__name__)
 
 STATE_FILE = "bench-state.json"
+UNITS_FILE = "bench-units.jsonl"
 #: bumped when the file's layout changes: an older file is not read
-FORMAT = 1
+FORMAT = 2
 #: settings that shape the report only, not what is measured: they may differ on resume
 REPORT_ONLY = ("out", "progress", "bootstrap", "target_speedup", "resume")
 
@@ -73,22 +83,65 @@ def proposer_digest(prop: Proposer) -> str | None:
     return None
 
 
+@functools.cache
+def sources_digest() -> str:
+    """Hash of draftsmith's own sources (Python, C++): a resumed bench runs the code that began it
+    (the package version alone does not change with each edit)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h") and p.is_file()):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def engines_identity(rows: Sequence[Any]) -> dict[str, Any]:
+    """The serving engines' rows as started (known only once they run): each one's reported version
+    and the program it runs (size and modification time), by row name."""
+    out: dict[str, Any] = {}
+    for row in rows:
+        server = getattr(row, "server", None)
+        if server is None:
+            continue
+        argv = getattr(server, "argv", None) or [None]
+        try:
+            st = os.stat(argv[0]) if argv[0] else None
+        except OSError:
+            st = None
+        out[row.name] = {"version": getattr(server, "version", None),
+                         "program": [str(argv[0]), st.st_size, int(st.st_mtime)] if st else str(argv[0])}
+    return out
+
+
 def identity(cfg: Any, provenance: Mapping[str, Any], prompts: Sequence[tuple[str, list[int]]],
              pilot: Sequence[tuple[str, list[int]]], proposers: Mapping[str, Proposer],
              model: torch.nn.Module) -> dict[str, Any]:
     """Everything the timings depend on; a checkpoint is resumed only where this is equal."""
     param = next(model.parameters())
     env = environment()
+    verifier = provenance.get("fingerprint")
+    if verifier is None:  # a library call without provenance: the weights themselves
+        from draftsmith.models.verifier import fingerprint
+
+        verifier = fingerprint(model)
     return {
         "format": FORMAT,
         "settings": {k: v for k, v in to_dict(cfg).items() if k not in REPORT_ONLY},
-        "verifier": provenance.get("fingerprint"), "dataset": provenance.get("dataset"),
+        "verifier": verifier, "dataset": provenance.get("dataset"),
         "model": f"{param.dtype}@{param.device}",
         "prompts": hashlib.sha256(json.dumps([list(prompts), list(pilot)]).encode()).hexdigest()[:16],
         "proposers": {label: [type(p).__name__, proposer_digest(p)] for label, p in proposers.items()},
         # the machine and the software: timings of another host or version are not pooled with these
-        "machine": {k: env.get(k) for k in ("cpu_model", "cpu_count", "torch_threads", "cuda", "platform",
-                                            "draftsmith", "torch", "transformers", "python")},
+        "machine": {**{k: env.get(k) for k in ("cpu_model", "cpu_count", "torch_threads", "cuda", "platform",
+                                               "draftsmith", "torch", "transformers", "python")},
+                    "cuda_runtime": torch.version.cuda, "torchao": _version("torchao"), "sources": sources_digest()},
     }
 
 
@@ -125,38 +178,59 @@ def _run_from_json(d: Mapping[str, Any]) -> RunResult:
 
 
 class Checkpoint:
-    """``OUT/bench-state.json``: what a resumed bench needs, written as the bench goes."""
+    """``OUT/bench-state.json`` and ``OUT/bench-units.jsonl``: what a resumed bench needs, written as
+    the bench goes."""
 
     def __init__(self, out_dir: Path, ident: dict[str, Any]) -> None:
         self.path = Path(out_dir) / STATE_FILE
+        self.units_path = Path(out_dir) / UNITS_FILE
         self.ident = ident
         self.layout: str | None = None
         self.layout_choice: dict[str, Any] | None = None
+        self.engines: dict[str, Any] = {}  # engines_identity of the rows, once they are built
+        self.broken = False  # a write failed: warned once, no more checkpoints this run
+
+    def exists(self) -> bool:
+        return self.path.is_file()
 
     def load(self, say: bool = True) -> dict[str, Any] | None:
-        """The saved state when it belongs to this bench; None (and why, on stderr) otherwise."""
+        """The saved state when it belongs to this bench, with ``units`` (the units timed, in order)
+        and ``units_done``; None otherwise (a checkpoint of another bench is removed, and why is
+        said on stderr)."""
         if not self.path.is_file():
             return None
         try:
             saved = json.loads(self.path.read_text())
-        except (OSError, ValueError) as e:
-            why = f"it cannot be read ({e})"
-        else:
             diff = differences(saved.get("identity") or {}, self.ident)
-            if not diff:
-                return saved
             why = "these differ: " + ", ".join(diff[:6]) + (" ..." if len(diff) > 6 else "")
+            if not diff:
+                units = [json.loads(line) for line in complete_lines(self.units_path)]  # a torn last line: cut
+                return {**saved, "units": units, "units_done": len(units)}
+        except (OSError, ValueError, KeyError) as e:
+            why = f"it cannot be read ({e})"
         if say:
             print(f"bench: {self.path} holds an interrupted bench that is not this one ({why}); "
                   "starting afresh", file=sys.stderr)
+        self.remove()
         return None
 
-    def save(self, state: BenchState, units_done: int) -> None:
-        """Write the state with its first ``units_done`` units (prompt x repeat) timed by every row."""
+    def _write(self, what: str, fn: Any) -> None:
+        if self.broken:
+            return
+        try:
+            fn()
+        except OSError as e:
+            self.broken = True
+            log.warning("bench: cannot write the checkpoint's %s (%s); the bench goes on, but an interruption "
+                        "from here on would start it afresh", what, e)
+
+    def start(self, state: BenchState, units_done: int) -> None:
+        """Write the header: the step costs and choices, the rows, the attempts so far. ``units_done``
+        0 starts the units afresh; a resumed bench keeps its ``units_done`` units."""
         c = state.costs
-        atomic_write_json(self.path, {
-            "identity": self.ident, "saved": time.time(), "units_done": units_done,
-            "rows": [r.name for r in state.rows],
+        header = {
+            "identity": self.ident, "saved": time.time(), "rows": [r.name for r in state.rows],
+            "engines": self.engines,
             "layout": self.layout, "layout_choice": self.layout_choice and {
                 **self.layout_choice, "t_seconds": {lay: {str(n): s for n, s in t.items()}
                                                     for lay, t in self.layout_choice["t_seconds"].items()}},
@@ -169,12 +243,33 @@ class Checkpoint:
             "k_choice": state.k_choice, "draft_confidence": state.draft_confidence,
             "started": state.started, "load_at_start": state.load_at_start,
             "seconds": state.measuring_seconds(), "attempts": state.attempts,
-            "results": [{"row": r, "prompt": p, "runs": [_run_to_json(x) for x in xs]}
-                        for (r, p), xs in sorted(state.results.items())],
-        })
+        }
+
+        def write() -> None:
+            if units_done == 0:
+                self.units_path.unlink(missing_ok=True)
+            atomic_write_json(self.path, header)
+        self._write("header", write)
+
+    def add_unit(self, state: BenchState, units_done: int) -> None:
+        """Append unit ``units_done - 1``: its prompt's latest run by every row."""
+        p = (units_done - 1) % len(state.prompts)
+        line = json.dumps({"unit": units_done - 1, "prompt": p, "seconds": state.measuring_seconds(),
+                           "runs": [[r, _run_to_json(state.results[(r, p)][-1])] for r in range(len(state.rows))]})
+
+        def write() -> None:
+            with open(self.units_path, "a") as f:
+                f.write(line + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        self._write("units", write)
 
     def remove(self) -> None:
-        self.path.unlink(missing_ok=True)
+        for f in (self.path, self.units_path):
+            try:
+                f.unlink(missing_ok=True)
+            except OSError as e:
+                log.warning("bench: cannot remove %s (%s)", f, e)
 
 
 def layout_of(saved: Mapping[str, Any]) -> tuple[str, dict[str, Any] | None]:
@@ -199,16 +294,21 @@ def restore_costs(state: BenchState, saved: Mapping[str, Any]) -> None:
     state.started, state.load_at_start = saved["started"], saved["load_at_start"]
 
 
-def restore_results(state: BenchState, saved: Mapping[str, Any]) -> int:
-    """Put the saved timed runs into ``state`` (its rows must be the saved ones); returns the
-    units done, where the timing goes on."""
+def restore_results(state: BenchState, saved: Mapping[str, Any], keep_units: bool = True) -> int:
+    """Put the saved timed runs into ``state`` (its rows must be the saved ones; with ``keep_units``
+    False none are: every unit is timed again) and count this attempt; returns the units done,
+    where the timing goes on."""
     if [r.name for r in state.rows] != saved["rows"]:
         raise ValueError(f"rows differ from the saved bench's: {[r.name for r in state.rows]} != {saved['rows']}")
-    state.results = {(e["row"], e["prompt"]): [_run_from_json(x) for x in e["runs"]] for e in saved["results"]}
-    state.earlier_seconds = float(saved["seconds"])
-    state.attempts = [*saved.get("attempts", []), {"resumed": time.time(), "units_done": int(saved["units_done"]),
+    units = saved["units"] if keep_units else []
+    state.results = {}
+    for unit in units:
+        for r, run in unit["runs"]:
+            state.results.setdefault((r, unit["prompt"]), []).append(_run_from_json(run))
+    state.earlier_seconds = float(units[-1]["seconds"] if units else saved["seconds"])
+    state.attempts = [*saved.get("attempts", []), {"resumed": time.time(), "units_done": len(units),
                                                        "load": load_average()}]
-    return int(saved["units_done"])
+    return len(units)
 
 
 def restore_confidence(proposers: Mapping[str, Proposer], draft_confidence: Mapping[str, Mapping[str, Any]]) -> None:

@@ -212,6 +212,8 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
                servers: contextlib.ExitStack, pilot: list[tuple[str, list[int]]]) -> dict[str, Any]:
     checkpoint = resume.Checkpoint(out_dir, resume.identity(cfg, provenance or {}, prompts, pilot, proposers, model))
     saved = checkpoint.load() if cfg.resume else None
+    if not cfg.resume:
+        checkpoint.remove()  # --no-resume: an interruption of this bench must not bring the old timings back
     proposers, confidence = with_draft_confidences(with_draft_precisions(proposers, cfg.draft_precision),
                                                    cfg.draft_confidence)
     layout, layout_choice = cfg.weight_layout, None
@@ -256,12 +258,18 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
     rows += engine_rows(servers, cfg.engines, model, cfg.verifier, draft_dirs, cfg.num_draft_tokens,
                         Path(out_dir) / "engine-logs", cfg.threads, cfg.draft_precision, chosen)
     state = BenchState(rows, prompts)
+    checkpoint.engines = resume.engines_identity(rows)
     start_unit = 0
     if saved is not None:  # the costs, k choice and stop rules of the interrupted bench, and its timed prompts
         resume.restore_costs(state, saved)
         resume.restore_confidence(proposers, state.draft_confidence)
+        same_engines = saved.get("engines", {}) == checkpoint.engines
+        if not same_engines:
+            print("bench: the serving engines are not those the interrupted bench timed (version or program: "
+                  + ", ".join(sorted(set(saved.get("engines", {})) | set(checkpoint.engines))) + "); its step costs "
+                  "are kept, every prompt is timed again", file=sys.stderr)
         try:
-            start_unit = resume.restore_results(state, saved)
+            start_unit = resume.restore_results(state, saved, keep_units=same_engines)
         except ValueError as e:
             raise DraftsmithError(f"{checkpoint.path}: cannot resume: {e}; run with --no-resume") from e
     elif pre is not None:  # the costs measured for the choice are the bench's, and its clock started with them
@@ -331,10 +339,10 @@ def _measure(state: BenchState, model: torch.nn.Module, proposers: dict[str, Pro
             measure_costs(state, proposers, cfg.num_draft_tokens, cfg.max_new_tokens, cfg.temperature, cfg.seed,
                           cfg.compile)
             apply_draft_confidence(state, proposers, confidence, cfg.num_draft_tokens)
-        checkpoint.save(state, start_unit)
+        checkpoint.start(state, start_unit)
         measure_interleaved(state, cfg.max_new_tokens, cfg.temperature, cfg.repeats, cfg.seed,
                             progress=cfg.progress, warmup_tokens=cfg.warmup_tokens, start_unit=start_unit,
-                            on_unit=lambda units: checkpoint.save(state, units))
+                            on_unit=lambda units: checkpoint.add_unit(state, units))
         if cfg.temperature == 0:
             judge_outputs(state, model)
         judge_quality(state, model, greedy=cfg.temperature == 0)
@@ -369,6 +377,14 @@ def run_bench(cfg: BenchConfig) -> int:
         torch.set_num_threads(threads)
 
 
+def _continue_hint(cfg: BenchConfig, when: str = "") -> str:
+    """How an interrupted bench in ``cfg.out`` continues, where its checkpoint was kept."""
+    if not (Path(cfg.out) / resume.STATE_FILE).is_file():
+        return ""
+    how = "the same command" if cfg.resume else "the same command without --no-resume"
+    return f"; {when + ', ' if when else ''}{how} continues where it stopped"
+
+
 def _run_bench(cfg: BenchConfig) -> int:
     from draftsmith.drafters import build_proposer
     from draftsmith.models.verifier import load_verifier
@@ -394,16 +410,14 @@ def _run_bench(cfg: BenchConfig) -> int:
         report = benchmark(model, prompts, proposers, cfg, Path(cfg.out), provenance, draft_dirs, pilot)
     except KeyboardInterrupt as e:
         written = getattr(e, "partial_report", None)
-        kept = Path(cfg.out) / resume.STATE_FILE
         print((f"bench: partial report written to {written}" if written else
-               "bench: stopped before its timed runs; no report written")
-              + ("; the same command continues where it stopped" if kept.is_file() else ""), file=sys.stderr)
+               "bench: stopped before its timed runs; no report written") + _continue_hint(cfg), file=sys.stderr)
         raise
     except Exception as e:
         written = getattr(e, "partial_report", None)
         if written:
-            print(f"bench: partial report written to {written}; once the error below is mended, the same command "
-                  "continues where it stopped", file=sys.stderr)
+            print(f"bench: partial report written to {written}" + _continue_hint(cfg, "once the error below is mended"),
+                  file=sys.stderr)
         raise
     print(render_markdown(report))
     return 0

@@ -9,6 +9,7 @@ code says it (0 passed, 3 gate failed, 2 error).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import shutil
 import time
 from dataclasses import dataclass
@@ -22,6 +23,9 @@ from draftsmith.pipeline.cache import StepCache, digest
 from draftsmith.pipeline.config import PipelineConfig, build_config
 from draftsmith.pipeline.report import write_markdown
 from draftsmith.utils import atomic_write_json, command_line, environment_info, resolve_device, resolve_dtype
+
+
+log = logging.getLogger(__name__)
 
 
 def _previous_draft(cfg: PipelineConfig, fingerprint: str) -> Path | None:
@@ -185,7 +189,10 @@ def run(cfg: PipelineConfig, *, baseline_draft: Path | None = None, mode: str = 
     if drift is not None:
         report["after"] = b["summary"]
     atomic_write_json(out / "report.json", report)
-    write_markdown(report, out)
+    try:
+        write_markdown(report, out)
+    except Exception as e:  # noqa: BLE001 -- report.json holds everything; the run is done
+        log.warning("could not write %s: %s", out / "report.md", e)
     return report
 
 

@@ -3,8 +3,9 @@
 Three panels over the optimizer steps: the TTT-weighted training loss, the training accuracy
 at each unrolled draft position (the top-1 agreement with the verifier the draft is taught),
 and the validation acceptance length (the number the pipeline selects the draft by), the best
-validation marked. A resumed run appends to ``metrics.jsonl`` from its last checkpoint, so a
-step logged twice is drawn once (the later record: the weights that went on).
+validation marked. A run resumed after ``kill -9`` appends to ``metrics.jsonl`` from its last
+checkpoint: where the steps go back, the records from that step on are the abandoned
+attempt's and are dropped (the later run's weights are the ones that went on).
 """
 
 from __future__ import annotations
@@ -19,14 +20,17 @@ PLOT = "training.png"
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """``metrics.jsonl``'s records, one per step (a resumed run's repeat of a step: the later one),
-    in step order; ``[]`` when there is no file."""
-    by_step: dict[int, dict[str, Any]] = {}
+    """``metrics.jsonl``'s records of the run as it went on, in step order: where the steps go back
+    (a resume, or a step logged again with more in it), every record from that step on is replaced
+    by what follows. ``[]`` when there is no file."""
+    recs: list[dict[str, Any]] = []
     for line in complete_lines(Path(path), cut=False):
         if line.strip():
             rec = json.loads(line)
-            by_step[int(rec["step"])] = rec
-    return [by_step[s] for s in sorted(by_step)]
+            while recs and recs[-1]["step"] >= rec["step"]:
+                recs.pop()
+            recs.append(rec)
+    return recs
 
 
 def plot_training(metrics_path: Path, out_png: Path, title: str = "") -> Path | None:
@@ -35,13 +39,11 @@ def plot_training(metrics_path: Path, out_png: Path, title: str = "") -> Path | 
     trained = [r for r in recs if "loss" in r]
     if not trained:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; never needs a display
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: a notebook's backend is left alone
 
     val = [r for r in recs if "val_acceptance_length" in r]
-    fig, axes = plt.subplots(3, 1, figsize=(6.4, 7.2), sharex=True)
+    fig = Figure(figsize=(6.4, 7.2))
+    axes = fig.subplots(3, 1, sharex=True)
     steps = [r["step"] for r in trained]
     ax = axes[0]
     ax.plot(steps, [r["loss"] for r in trained], lw=1)
@@ -75,5 +77,4 @@ def plot_training(metrics_path: Path, out_png: Path, title: str = "") -> Path | 
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=120, bbox_inches="tight")
-    plt.close(fig)
     return out_png

@@ -379,6 +379,7 @@ def draw_curves(out: Path, title: str = "") -> Path | None:
     from draftsmith.train.curves import PLOT, plot_training
 
     try:
+        (out / PLOT).unlink(missing_ok=True)  # never an earlier attempt's picture under this run's name
         return plot_training(out / "metrics.jsonl", out / PLOT, title)
     except Exception as e:  # noqa: BLE001
         log.warning("could not draw %s: %s", out / PLOT, e)
@@ -669,6 +670,9 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
                             best = rec["val_acceptance_length"]
                             save_best(rec)
                         last_metrics.update(rec)
+                        if metrics_f:  # the step again, with its validation (readers keep the later record)
+                            metrics_f.write(json.dumps(rec) + "\n")
+                            metrics_f.flush()
                     save_checkpoint()
                     break
                 if step % cfg.checkpoint_every == 0 or step == schedule.total:
@@ -680,8 +684,10 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
         bar.close()
         if metrics_f:
             metrics_f.close()
-            # interrupted too: the picture of what was trained
+            # interrupted too: the picture of what was trained (its time is not training's)
+            t_draw = time.perf_counter()
             draw_curves(out, f"a draft for {Path(str(cfg.verifier)).name}")
+            t_start += time.perf_counter() - t_draw
     if not val_rows and dist.main:  # no validation data: the last weights are the result
         save_best(last_metrics)
     dist.barrier()
@@ -689,7 +695,7 @@ def train(cfg: TrainConfig, samples: list[dict] | None = None, verifier: torch.n
     summary = {**last_metrics, "train_seconds": seconds, "tokens_seen": tokens_seen,
                "vocab_coverage": vocab_cov, "best_val_acceptance_length": best, "total_steps": schedule.total,
                "cut": cut, "fits": fit.fits if fit else [], "cap_steps": cap_steps,
-               "plot": str(out / "training.png") if (out / "training.png").is_file() else None}
+               "plot": str((out / "training.png").resolve()) if (out / "training.png").is_file() else None}
     if dist.main:
         atomic_write_json(out / "train_summary.json", summary)
     return TrainResult(out / "draft", best, step, seconds, summary, draft)
