@@ -1388,3 +1388,17 @@ def test_a_compiled_bench_runs_its_plain_steps_on_the_drafts_aux_graphs(tiny, tm
               tmp_path)
     assert seen == [(0, 1) if compile else ()]
     assert tiny not in runner._SHARED_AUX
+
+
+def test_a_report_says_when_a_rows_compiled_verify_paths_changed_across_a_resume(tiny, tmp_path):
+    """Each process picks its compiled GEMM path per verify length by timing them; runs of one row with
+    two different picks (a resumed compiled bench) are named in the report (control: one pick, no note)."""
+    def run(tier: str) -> measure.RunResult:
+        return measure.RunResult([1, 2, 3], 0.1, {"verify_tiers": {"2": {"tier": tier, "ms": {}}}})
+
+    for tiers, noted in ((["template", "template"], False), (["template", "aten"], True)):
+        state = measure.BenchState([Row("plain (ours)", "plain", tiny)], _prompts(2))
+        state.results = {(0, p): [run(t)] for p, t in enumerate(tiers)}
+        report = bench_report.build_report(state, _cfg(tmp_path), {})
+        assert len(report["rows"][0]["verify_tier_choices"]) == (2 if noted else 1)
+        assert ("took other GEMM paths" in bench_report.render_markdown(report)) is noted

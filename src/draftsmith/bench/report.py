@@ -99,6 +99,9 @@ def _row_report(state: BenchState, r: int, cfg: BenchConfig) -> dict[str, Any] |
         # compiled CPU steps: which candidate verified each length, and their timings (runner._CompiledStep._choose)
         "verify_tiers": next((x.stats["verify_tiers"] for x in reversed(runs)
                               if x.stats and x.stats.get("verify_tiers")), {}),
+        # a resumed compiled bench: each process times its GEMM paths anew, and may pick others
+        "verify_tier_choices": sorted({tuple(sorted((str(m), c.get("tier")) for m, c in x.stats["verify_tiers"].items()))
+                                       for x in runs if x.stats and x.stats.get("verify_tiers")}),
         "per_prompt": [{"prompt": state.prompts[p][0], "prompt_tokens": len(state.prompts[p][1]),
                         "new_tokens": len(state.results[(r, p)][0].token_ids),
                         "seconds": [x.seconds for x in state.results[(r, p)]]} for p in done],
@@ -545,6 +548,10 @@ def render_markdown(report: dict[str, Any]) -> str:
     verify = verify_words(report["rows"])
     if verify:
         lines += ["", verify]
+    varied = [r["name"] for r in report["rows"] if len(r.get("verify_tier_choices") or []) > 1]
+    if varied:
+        lines += ["", "Note: the compiled verify steps took other GEMM paths after the resume than before it in "
+                      f"{', '.join(varied)} (each process times them anew): those rows' timings mix both."]
     costs = report["costs"]
     if costs:
         tv = costs["t_verify_seconds"]
