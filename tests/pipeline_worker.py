@@ -1,8 +1,9 @@
 """Subprocess for tests/test_pipeline.py: a pipeline run that is killed at a chosen point.
 
-usage: pipeline_worker.py CONFIG.yaml [capture|train] [INT|KILL]
-Kills itself with the signal right after the 2nd shard (capture) or the 2nd
-checkpoint (train) is durably written: the worst moment a real kill can hit.
+usage: pipeline_worker.py CONFIG.yaml [capture|train|bench] [INT|KILL|TERM]
+Kills itself with the signal right after the 2nd shard (capture), the 2nd
+checkpoint (train) or the 1st prompt every bench row timed (bench) is durably
+written: the worst moment a real kill can hit.
 """
 
 import os
@@ -24,7 +25,7 @@ if where:
         def wrapped(*a, **k):
             out = fn(*a, **k)
             count["n"] += 1
-            if count["n"] == 2:
+            if count["n"] == (1 if where == "bench" else 2):
                 os.kill(os.getpid(), signum)
             return out
         return wrapped
@@ -33,6 +34,10 @@ if where:
         from draftsmith.data import capture
 
         capture.write_shard = after(capture.write_shard)
+    elif where == "bench":
+        from draftsmith.bench import resume
+
+        resume.Checkpoint.add_unit = after(resume.Checkpoint.add_unit)
     else:
         from draftsmith.train import loop
 

@@ -128,6 +128,25 @@ def test_killed_run_resumes_to_the_same_result(setup, reference, kills):
     assert ref_w == got_w
 
 
+def test_a_run_killed_in_its_bench_resumes_the_bench_where_it_stopped(setup, reference):
+    """kill -9 after the bench's first prompt: the next run takes every step before the bench from the
+    cache and resumes the bench from that prompt, to the reference run's verdict and outputs."""
+    root, verifier = setup
+    cfg = _config(root, verifier, "kill-bench")
+    proc = _worker(cfg, "bench", "KILL")
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    final = _worker(cfg)
+    assert final.returncode == EXIT_GATE_FAILED, final.stderr[-2000:]
+    assert "[train] up to date" in final.stderr and "[bench] running (resuming)" in final.stderr
+    assert "resuming the interrupted bench" in final.stderr
+    report = json.loads((root / "kill-bench" / "report.json").read_text())
+    bench = json.loads(Path(report["bench"]["report"]).read_text())
+    assert [a["units_done"] for a in bench["resumed"]] == [1] and not bench["partial"]
+    ref = json.loads((reference / "report.json").read_text())
+    assert report["bench"]["candidate"]["outputs"] == ref["bench"]["candidate"]["outputs"]
+    assert report["gate"]["passed"] == ref["gate"]["passed"]
+
+
 def test_gate_failure_exit_code_and_no_deploy(setup, reference, capsys):
     """Same data/train/bench as the reference (all cached), a gate it cannot pass: a draft
     deployed earlier stays."""
