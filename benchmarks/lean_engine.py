@@ -270,6 +270,39 @@ def section_context(args, model, out: dict) -> None:
                       "target_within_10pct": ratio.get("lean") is not None and ratio["lean"] <= 1.10}
 
 
+def plot_context(out: dict, png: Path) -> Path | None:
+    """The context section as a picture (issue 20: "show the curve"): each path's one-token step
+    against the tokens cached, and the same over its own step at 128 with the 1.10 target."""
+    c = out.get("context")
+    if not c:
+        return None
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4))
+    left, right = fig.subplots(1, 2)
+    for path, curve in c["median_ms"].items():
+        xs = sorted(int(x) for x in curve)
+        ms = [curve[str(x)] if str(x) in curve else curve[x] for x in xs]
+        left.plot(xs, ms, "o-", label=path)
+        if 128 in xs:
+            right.plot(xs, [m / ms[xs.index(128)] for m in ms], "o-", label=path)
+    right.axhline(1.10, color="gray", ls="--", lw=1, label="target at 1024: <= 1.10")
+    right.axvline(1024, color="gray", ls=":", lw=1)
+    cpu = (out.get("environment") or {}).get("cpu_model") or out.get("device", "")
+    contexts = sorted({int(x) for curve in c["median_ms"].values() for x in curve})
+    for ax, ylabel in ((left, "one-token step [ms], median"), (right, "step / its step at 128 cached")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [str(x) for x in contexts])
+        ax.set(xlabel="tokens cached", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(f"One-token verifier step vs context: {out.get('verifier')} {out.get('dtype')}, "
+                 f"weights {out.get('weight_layout')}, {cpu}")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110, bbox_inches="tight")
+    return png
+
+
 def section_layout(args, model, out: dict) -> None:
     """Verify steps of M = 1..``--layout-rows`` tokens at ``--layout-context`` cached tokens, with the
     verifier's Linear weights as loaded (out-in), held [in, out] (``weights_in_out``) and multiplied
@@ -585,7 +618,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="add compiled lean rows (plain, context, draft)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/lean-engine.json"))
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--plot", type=Path, default=None, metavar="JSON",
+                    help="only draw JSON's context section (a report this script wrote) beside it as "
+                         "*.context.png, and exit (a run draws its own)")
     args = ap.parse_args(argv)
+    if args.plot is not None:
+        print(f"wrote {plot_context(json.loads(args.plot.read_text()), args.plot.with_suffix('.context.png'))}")
+        return 0
     if args.sections is None:
         args.sections = ["plain", "context", "draft"] + (["rss"] if args.device == "cpu" else [])
 
@@ -640,6 +679,8 @@ def main(argv: list[str] | None = None) -> int:
             if name in args.sections:
                 section()
                 save(name)
+                if name == "context":
+                    print(f"context curve: {plot_context(out, args.out.with_suffix('.context.png'))}", file=sys.stderr)
     if "layout" in args.sections:
         section_layout(args, model, out)
         save("layout")

@@ -91,6 +91,12 @@ def test_lean_engine_runs_its_sections_on_a_tiny_verifier(tmp_path):
     assert res["plain"]["identical_to_hf_generate"] == {"hf-generate": 2, "ours-lean": 2, "ours-hf-dynamic": 2}
     assert res["complete"] is True and res["sections_done"] == ["plain", "context", "draft"]
     assert set(res["context"]["median_ms"]) >= {"lean"}
+    png = tmp_path / "lean.context.png"  # the curve, drawn by the run and again from its JSON
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    png.unlink()
+    r = subprocess.run([sys.executable, "benchmarks/lean_engine.py", "--plot", str(out)], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and png.read_bytes()[:4] == b"\x89PNG", r.stderr[-2000:]
     ratios = res["draft"]["draft_over_verifier"]
     assert {"draft-8192", "draft-8192-int8"} <= set(ratios) and all(v > 0 for v in ratios.values())
     # the int8 draft is int8 in its 8 step layers (q, k, v, o, gate, up, down, head); fc stays float
