@@ -679,8 +679,12 @@ def main(argv: list[str] | None = None) -> int:
             if name in args.sections:
                 section()
                 save(name)
-                if name == "context":
-                    print(f"context curve: {plot_context(out, args.out.with_suffix('.context.png'))}", file=sys.stderr)
+                if name == "context":  # the picture is a bonus: a machine without matplotlib goes on without it
+                    try:
+                        print(f"context curve: {plot_context(out, args.out.with_suffix('.context.png'))}",
+                              file=sys.stderr)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"context curve not drawn ({type(e).__name__}: {e})", file=sys.stderr)
     if "layout" in args.sections:
         section_layout(args, model, out)
         save("layout")
