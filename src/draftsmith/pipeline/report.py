@@ -45,6 +45,11 @@ def render_markdown(report: dict[str, Any], out: Path) -> str:
     lines += ["", f"Deployable draft: [{_link(deployed, out)}]({_link(deployed, out)}) (its README.md has the "
                   "serving commands)." if deployed else
               f"Nothing deployed; the draft the gate judged: {_link(report.get('candidate_draft'), out)}."]
+    if not deployed and report.get("candidate_draft"):
+        verifier = (report.get("config") or {}).get("verifier") or report.get("verifier") or "VERIFIER"
+        lines += ["", "It may still pay where verifying several tokens costs less against one, e.g. compiled: `draftsmith bench --verifier "
+                      f"{verifier} --draft {report['candidate_draft']} --compile --out {Path(out) / 'bench-compiled'}`"
+                      " (or in a serving engine: `--engines vllm llama.cpp`)."]
     if "before" in report:
         b, a = report.get("before"), report.get("after")
         if b and a:
