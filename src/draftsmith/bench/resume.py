@@ -9,7 +9,7 @@ a lost machine must not throw its timings away. While it measures, the bench kee
 - ``OUT/bench-units.jsonl``, one line appended after every prompt that every row has decoded
   (a *unit*: one prompt of one repeat), so each write costs one unit, not the bench so far.
 
-Run with the same settings on the same machine, the bench reads it back: the same layout,
+Run with the same settings on the same machine, the bench reads them back: the same layout,
 costs, k and thresholds, the units already timed kept as they were, the rows warmed up
 again, and the timing goes on from the next unit. A unit half done when the run stopped is
 timed again in full, so every prompt's rows stay timed side by side (the paired speedups
