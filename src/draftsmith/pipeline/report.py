@@ -58,7 +58,7 @@ def render_markdown(report: dict[str, Any], out: Path) -> str:
                           f"{a['acceptance_length']:.2f}."]
 
     plan = report.get("plan") or {}
-    predicted, actual = plan.get("predicted_seconds") or {}, plan.get("actual_seconds") or {}
+    predicted = plan.get("predicted_seconds") or {}
     lines += ["", "## Steps", "", "| step | time | " + ("predicted | " if predicted else "") + "where |",
               "|---|---|" + ("---|" if predicted else "") + "---|"]
     for name, t in (report.get("steps") or {}).items():
