@@ -88,6 +88,8 @@ def test_eval_counts_acceptance_by_hand(setup):
     check = res["engine_check"]
     assert check["draft"] == str(right) and check["engine"] == pytest.approx([1.0 + K] * 2)
     assert check["teacher_forced"] == r["per_sample"][:2]
+    png = setup[0] / "eval.png"  # the drafts side by side, beside the JSON
+    assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_eval_reads_its_cache_and_checks_the_first_draft(setup):

@@ -46,7 +46,7 @@ class EvalConfig:
     cache: str = opt("runs/eval", "directory for the verifier's replies and hidden states (one subdirectory per "
                                   "verifier, dataset and settings, reused by later runs)")
     check_engine: int = opt(0, "also decode the first N prompts with the real engine and the first draft")
-    out: str | None = opt(None, "JSON file with every number")
+    out: str | None = opt(None, "JSON file with every number (and beside it a .png: acceptance by position)")
     dtype: str = opt("float32", "verifier dtype (float32: the greedy replies the engine reproduces exactly)")
     device: str = opt("auto", "device: auto, cpu, cuda, cuda:N")
 
@@ -189,6 +189,33 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
     return result
 
 
+def plot_acceptance(result: dict[str, Any], png: Path) -> Path:
+    """The drafts side by side: the share of draft chains accepted up to each position (what sums,
+    plus one, to the acceptance length), one line per draft."""
+    from matplotlib.figure import Figure  # no pyplot: a notebook's backend is left alone
+
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.subplots()
+    paths = list(result["drafts"])
+    for depth in (1, 2, None):  # the shortest path tails that tell the drafts apart (".../a/draft", ".../b/draft")
+        labels = [str(Path(*Path(p).parts[-depth:])) if depth else p for p in paths]
+        if len(set(labels)) == len(labels):
+            break
+    for label, d in zip(labels, result["drafts"].values()):
+        pos = d["per_position"]
+        ax.plot(range(1, len(pos) + 1), pos, "o-", label=f"{label}: {d['acceptance_length']:.2f}")
+    ax.set(xlabel="draft position i", ylabel="chains accepted through position i [fraction]", ylim=(0, 1.05),
+           title=f"Teacher-forced acceptance, k={result['k']}, {result['prompts']} "
+                 f"{Path(result['dataset']).name} prompts")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+    ax.legend(title="draft: acceptance length", fontsize="small")
+    fig.tight_layout()
+    png = Path(png)
+    fig.savefig(png, dpi=120, bbox_inches="tight")
+    return png
+
+
 def run_eval(cfg: EvalConfig) -> int:
     """``draftsmith eval``: print each draft's acceptance, write ``--out``."""
     result = evaluate(cfg)
@@ -203,4 +230,5 @@ def run_eval(cfg: EvalConfig) -> int:
     if cfg.out:
         Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {cfg.out} and {plot_acceptance(result, Path(cfg.out).with_suffix('.png'))}")
     return 0
