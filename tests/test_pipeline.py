@@ -94,6 +94,7 @@ def test_end_to_end_report_and_cache(setup, reference, capsys):
     assert all(f"| {name} |" in md for name in report["steps"])
     links = re.findall(r"\]\(([^)]+)\)", md)
     assert any(x.endswith("training.png") for x in links) and any(x.endswith("report.md") for x in links)
+    assert any(x.endswith("tokens_per_second.png") for x in links)
     assert all((reference / x).is_file() for x in links), links
     # a second run with nothing changed does no work: every step comes from the cache
     root, verifier = setup

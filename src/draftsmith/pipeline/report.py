@@ -116,6 +116,9 @@ def render_markdown(report: dict[str, Any], out: Path) -> str:
         lines.append(f"The previous draft: {_speedup(p)}, acceptance length {p['acceptance_length']:.2f}.")
     md = bench.get("report")
     if md:
+        speed = Path(md).parent / "tokens_per_second.png"
+        if speed.is_file():
+            lines += ["", f"![tokens per second]({_link(str(speed), out)})"]
         md = str(Path(md).with_suffix(".md"))
         lines += ["", f"Every row, the break-even analysis and the plots: [{_link(md, out)}]({_link(md, out)})."]
     return "\n".join(lines) + "\n"
