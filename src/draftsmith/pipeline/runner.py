@@ -2,8 +2,9 @@
 
 Every step is cached by a hash of its inputs (see :mod:`draftsmith.pipeline.cache`),
 so a re-run with nothing changed does no work and an interrupted run resumes in the
-step it stopped in. The verdict and its reasons go to ``OUT/report.json``; the exit
-code says it (0 passed, 3 gate failed, 2 error).
+step it stopped in. The verdict and its reasons go to ``OUT/report.json`` and, for
+people, ``OUT/report.md`` (:mod:`draftsmith.pipeline.report`); the exit code says it
+(0 passed, 3 gate failed, 2 error).
 """
 
 from __future__ import annotations
@@ -244,8 +245,9 @@ class PipelineRunConfig:
 
     With no arguments it runs the embedded default (SmolLM2-135M, the `small` preset).
     Steps are cached by their inputs: re-running with nothing changed does no work, and
-    an interrupted run resumes in the step it stopped in. Exit code: 0 gate passed,
-    3 gate failed, 2 error.
+    an interrupted run resumes in the step it stopped in. The run ends with OUT/report.md
+    (verdict, step times, training curves, the bench's numbers) and OUT/report.json.
+    Exit code: 0 gate passed, 3 gate failed, 2 error.
     """
 
     config: str | None = opt(None, "YAML file with the pipeline configuration (sections: data, train, bench, gate)",
