@@ -78,7 +78,7 @@ def render_markdown(report: dict[str, Any], out: Path) -> str:
                                  f"verifier, {d.get('tokens')} tokens captured."]
     cut = d.get("regeneration_cut")
     if cut:  # {step: {"kept": n, "left": m}}: the budget's deadline stopped new chunks of prompts
-        lines.append("Regeneration stopped at the budget's deadline: " + "; ".join(
+        lines.append("\nRegeneration stopped at the budget's deadline: " + "; ".join(
             f"{step} kept {c.get('kept')} replies, {c.get('left')} prompts left" if isinstance(c, dict) else
             f"{step}: {c}" for step, c in cut.items()) + ".")
 
@@ -87,9 +87,9 @@ def render_markdown(report: dict[str, Any], out: Path) -> str:
                                      f"acceptance length {t.get('best_val_acceptance_length', 0):.2f}."]
     if plan.get("train_cut"):
         cut = plan["train_cut"]
-        lines.append(f"Stopped at step {cut['step']} of {cut['planned_steps']} ({cut['reason']}).")
+        lines.append(f"\nStopped at step {cut['step']} of {cut['planned_steps']} ({cut['reason']}).")
     if plan.get("bigger_budget"):
-        lines.append(plan["bigger_budget"])
+        lines.append("\n" + plan["bigger_budget"])
     if t.get("plot"):
         lines += ["", f"![training curves]({_link(t['plot'], out)})"]
 
@@ -97,23 +97,23 @@ def render_markdown(report: dict[str, Any], out: Path) -> str:
     c = bench.get("candidate")
     lines += ["", "## Bench", ""]
     if c:
-        lines.append(f"The candidate: {_speedup(c)} over plain decoding on {c.get('judged_prompts')} judged "
+        lines.append(f"- The candidate: {_speedup(c)} over plain decoding on {c.get('judged_prompts')} judged "
                      f"prompts; acceptance length {c['acceptance_length']:.2f}; "
                      f"{c['tokens_per_second']:.1f} tokens/s"
                      + (f"; predicted {c['predicted_speedup']:.2f}x before timing"
                         if c.get("predicted_speedup") else "")
                      + (f"; held back by {c['held_back_by']}" if c.get("held_back_by") else "") + ".")
         if c.get("k_selection"):
-            lines.append(f"k={c['k']}: {c['k_selection']}.")
+            lines.append(f"- k={c['k']}: {c['k_selection']}.")
         o = c.get("outputs")
         if o:
-            lines.append(f"Greedy outputs against plain decoding: {o['identical']} identical, {o['tie']} parted at "
+            lines.append(f"- Greedy outputs against plain decoding: {o['identical']} identical, {o['tie']} parted at "
                          f"a numerical tie, {o['mismatch']} mismatched.")
         for name, ratio in (c.get("vs_hf") or {}).items():
-            lines.append(f"Against {name}: {ratio:.2f}x.")
+            lines.append(f"- Against {name}: {ratio:.2f}x.")
     p = bench.get("previous")
     if p:
-        lines.append(f"The previous draft: {_speedup(p)}, acceptance length {p['acceptance_length']:.2f}.")
+        lines.append(f"- The previous draft: {_speedup(p)}, acceptance length {p['acceptance_length']:.2f}.")
     md = bench.get("report")
     if md:
         speed = Path(md).parent / "tokens_per_second.png"
