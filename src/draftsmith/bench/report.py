@@ -321,13 +321,13 @@ def build_report(state: BenchState, cfg: BenchConfig, provenance: dict[str, Any]
         "break_even": _break_even(state, rows, cfg),
         "k_choice": state.k_choice,
         "draft_confidence": state.draft_confidence,
-        "weight_layout_choice": _layout_choice(state.layout_choice),
+        "weight_layout_choice": layout_choice_json(state.layout_choice),
         "engine_agreement": engine_agreement(rows),
         "which_to_choose": which_to_choose(rows, cfg.temperature),
     }
 
 
-def _layout_choice(choice: dict[str, Any] | None) -> dict[str, Any] | None:
+def layout_choice_json(choice: dict[str, Any] | None) -> dict[str, Any] | None:
     """``--weight-layout auto``'s evidence, JSON-ready (step counts as string keys)."""
     if choice is None:
         return None

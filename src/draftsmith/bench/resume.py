@@ -38,6 +38,7 @@ import torch
 
 from draftsmith.bench.costmodel import CostModel
 from draftsmith.bench.measure import BenchState, RunResult, environment, load_average
+from draftsmith.bench.report import layout_choice_json
 from draftsmith.config import to_dict
 from draftsmith.decoding.proposers import Proposer
 from draftsmith.utils import atomic_write_json, complete_lines
@@ -190,9 +191,6 @@ class Checkpoint:
         self.engines: dict[str, Any] = {}  # engines_identity of the rows, once they are built
         self.broken = False  # a write failed: warned once, no more checkpoints this run
 
-    def exists(self) -> bool:
-        return self.path.is_file()
-
     def load(self, say: bool = True) -> dict[str, Any] | None:
         """The saved state when it belongs to this bench, with ``units`` (the units timed, in order)
         and ``units_done``; None otherwise (a checkpoint of another bench is removed, and why is
@@ -231,9 +229,7 @@ class Checkpoint:
         header = {
             "identity": self.ident, "saved": time.time(), "rows": [r.name for r in state.rows],
             "engines": self.engines,
-            "layout": self.layout, "layout_choice": self.layout_choice and {
-                **self.layout_choice, "t_seconds": {lay: {str(n): s for n, s in t.items()}
-                                                    for lay, t in self.layout_choice["t_seconds"].items()}},
+            "layout": self.layout, "layout_choice": layout_choice_json(self.layout_choice),
             "costs": None if c is None else {**dataclasses.asdict(c), "t_verify": {str(n): t for n, t in
                                                                                    c.t_verify.items()}},
             "plain_steps": state.plain_steps,
