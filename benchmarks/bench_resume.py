@@ -6,12 +6,17 @@ line is in ``OUT/bench-units.jsonl`` (mid-prompt), then runs the same command in
 every checkpoint write timed. Prints the units kept, the resumed run's wall time and each write's
 milliseconds; the resumed report (``OUT/report.md``) says where the resume happened. BENCHMARKS 15l.
 
-    PYTHONPATH=src python benchmarks/bench_resume.py --out /tmp/bench-resume
+With ``--extend-to N`` the finished bench is then run once more with ``--num-prompts N``: it keeps
+every prompt timed so far and times only the new ones; printed: the units timed, the wall time and
+the drafter's speedup interval before and after. BENCHMARKS 15m.
+
+    PYTHONPATH=src python benchmarks/bench_resume.py --out /tmp/bench-resume [--extend-to 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -29,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-at", type=int, default=4, help="prompts every row has timed before the kill")
     ap.add_argument("--kill-after", type=float, default=3.0, help="seconds after that prompt (mid-prompt)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--extend-to", type=int, default=None,
+                    help="then extend the finished bench to this many prompts (more than --num-prompts)")
     args = ap.parse_args(argv)
+    if args.extend_to is not None and args.extend_to <= args.num_prompts:
+        ap.error("--extend-to must be more than --num-prompts")
     shutil.rmtree(args.out, ignore_errors=True)
     bench = ["bench", "--verifier", "smollm2-135m", "--drafter", "ngram", "--num-prompts", str(args.num_prompts),
              "--max-new-tokens", str(args.max_new_tokens), "--num-draft-tokens", "2", "3", "--threads",
@@ -63,6 +72,21 @@ def main(argv: list[str] | None = None) -> int:
     rc = cli(bench)
     print(f"resumed: rc {rc}, wall {time.perf_counter() - t0:.1f} s; unit writes (ms): "
           + ", ".join(f"{1000 * x:.2f}" for x in took))
+    if rc or args.extend_to is None:
+        return rc
+
+    def intervals() -> str:
+        report = json.loads((args.out / "report.json").read_text())
+        return "; ".join(f"{r['name']} {r['speedup']['median']:.3f}x [{r['speedup']['ci95'][0]:.3f}-"
+                         f"{r['speedup']['ci95'][1]:.3f}]" for r in report["rows"] if (r.get("speedup") or {}).get("ci95"))
+
+    before = intervals()
+    took.clear()
+    t0 = time.perf_counter()
+    i = bench.index("--num-prompts")
+    rc = cli([*bench[:i + 1], str(args.extend_to), *bench[i + 2:]])
+    print(f"extended to {args.extend_to} prompts: rc {rc}, wall {time.perf_counter() - t0:.1f} s, "
+          f"{len(took)} units timed\n  before: {before}\n  after:  {intervals() if rc == 0 else '-'}")
     return rc
 
 

@@ -541,12 +541,78 @@ def test_an_interrupted_bench_resumes_where_it_stopped(tiny, tmp_path, monkeypat
         assert len(now["p0"]) == len(now["p1"]) == len(now["p2"]) == 2  # and the rest timed once each
         assert now["p2"][0] not in first.get("p2", [])  # the unit half done when stopped: timed again in full
         assert after["identical_output_rate"] == 1.0
-    assert not (tmp_path / resume.STATE_FILE).exists() and not (tmp_path / resume.UNITS_FILE).exists()
+    assert json.loads((tmp_path / resume.STATE_FILE).read_text())["complete"]  # kept for a bench of more prompts
+    assert len((tmp_path / resume.UNITS_FILE).read_text().splitlines()) == 2 * 3
+    assert not resume.interrupted(tmp_path)
     # complete: the same bench again measures afresh (and so does --no-resume; negative controls of the kept units)
     calls = _stop_timed_runs_at(monkeypatch, -1)
     monkeypatch.undo()
     report = benchmark(tiny, _prompts(3), props(), cfg, tmp_path, {"fingerprint": "f"})
     assert "resumed" in report and report["resumed"] == []
+    assert len(calls) == 0  # (undone above: the counter stays empty, the bench timed all units itself)
+
+
+def test_kept_units_are_the_saved_ones_that_start_the_new_order():
+    """Unit u is prompt u % P of repeat u // P: a saved 3 prompts x 2 repeats keeps its first repeat for 4
+    prompts, all six for 3 x 3, the first two prompts for 2 prompts, and nothing out of order."""
+    from draftsmith.bench.resume import kept_units
+
+    units = [{"prompt": u % 3} for u in range(6)]
+    assert kept_units(units, 3, 4, 2) == 3
+    assert kept_units(units, 3, 3, 3) == 6
+    assert kept_units(units, 3, 3, 1) == 3
+    assert kept_units(units, 3, 2, 2) == 2
+    assert kept_units(units[:2], 3, 5, 1) == 2  # an interrupted bench of more prompts
+    assert kept_units([{"prompt": 1}], 3, 4, 1) == 0  # negative control: a unit out of order
+
+
+def test_a_finished_bench_is_extended_by_more_prompts_or_repeats_timing_only_those(tiny, tmp_path, monkeypatch,
+                                                                                   capsys):
+    """A finished bench of 2 prompts, then 3 prompts: only the third is timed, the first two's seconds come
+    from the first bench; then 2 repeats: only the second repeat is timed; then 2 prompts x 2 repeats keeps
+    the first repeat of the first two. Negative controls: other first prompts, and the same finished bench
+    again, time every unit."""
+    from draftsmith.bench import resume
+
+    props = lambda: {"ngram": NgramProposer()}  # noqa: E731
+    cfg = lambda **kw: _cfg(tmp_path, hf_reference=False, **kw)  # noqa: E731
+    rows = 2
+    first = benchmark(tiny, _prompts(2), props(), cfg(num_prompts=2), tmp_path, {"fingerprint": "f"})
+    monkeypatch.setattr("draftsmith.bench.run.measure_costs", lambda *a, **kw: pytest.fail("costs measured again"))
+    capsys.readouterr()
+
+    calls = _stop_timed_runs_at(monkeypatch, -1)
+    report = benchmark(tiny, _prompts(3), props(), cfg(num_prompts=3), tmp_path, {"fingerprint": "f"})
+    assert len(calls) == 1 * rows and report["prompts"]["runs"] == 3 * rows and not report["partial"]
+    assert report["resumed"][-1]["resized"] == {"prompts": [2, 3], "repeats": [1, 1], "units_saved": 2,
+                                                "complete": True}
+    assert "extending the bench" in capsys.readouterr().err
+    assert "Extended at" in (tmp_path / "report.md").read_text()
+    for before, after in zip(first["rows"], report["rows"]):
+        was = {e["prompt"]: e["seconds"] for e in before["per_prompt"]}
+        now = {e["prompt"]: e["seconds"] for e in after["per_prompt"]}
+        assert now["p0"] == was["p0"] and now["p1"] == was["p1"] and "p2" in now and "p2" not in was
+    assert report["costs"]["t_verify_seconds"] == first["costs"]["t_verify_seconds"]
+
+    calls = _stop_timed_runs_at(monkeypatch, -1)
+    report = benchmark(tiny, _prompts(3), props(), cfg(num_prompts=3, repeats=2), tmp_path,
+                       {"fingerprint": "f"})
+    assert len(calls) == 3 * rows and report["prompts"]["runs"] == 6 * rows
+    calls = _stop_timed_runs_at(monkeypatch, -1)
+    report = benchmark(tiny, _prompts(2), props(), cfg(num_prompts=2, repeats=2), tmp_path,
+                       {"fingerprint": "f"})
+    assert len(calls) == 2 * rows and report["prompts"]["runs"] == 4 * rows  # p0, p1 of repeat 0 kept
+    assert len((tmp_path / resume.UNITS_FILE).read_text().splitlines()) == 4  # the file holds this bench's only
+
+    monkeypatch.undo()
+    for prompts, words in ((_prompts(2), None), (_prompts(4)[1:3], "its prompts are not the first of these")):
+        calls = _stop_timed_runs_at(monkeypatch, -1)
+        capsys.readouterr()
+        report = benchmark(tiny, prompts, props(), cfg(num_prompts=2, repeats=2), tmp_path,
+                           {"fingerprint": "f"})
+        assert len(calls) == 4 * rows and report["resumed"] == []
+        err = capsys.readouterr().err
+        assert ((words in err) if words else "starting afresh" not in err), err
 
 
 def test_an_error_mid_bench_leaves_a_partial_report_and_the_same_bench_resumes(tiny, tmp_path, monkeypatch):
@@ -575,7 +641,7 @@ def test_an_error_mid_bench_leaves_a_partial_report_and_the_same_bench_resumes(t
     calls.clear()
     monkeypatch.setattr(measure, "timed_run", lambda *a, **kw: calls.append(1) or run(*a, **kw))
     report = benchmark(tiny, _prompts(2), {"ngram": NgramProposer()}, cfg, tmp_path, {"fingerprint": "f"})
-    assert len(calls) == 2 and not report["partial"] and not (tmp_path / resume.STATE_FILE).exists()
+    assert len(calls) == 2 and not report["partial"] and not resume.interrupted(tmp_path)
 
     other = tmp_path / "early"
     monkeypatch.setattr("draftsmith.bench.run.measure_costs", lambda *a, **kw: (_ for _ in ()).throw(

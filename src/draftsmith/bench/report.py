@@ -505,14 +505,17 @@ def render_markdown(report: dict[str, Any]) -> str:
                       "timings may be noisy."]
     n_prompts = report["prompts"]["requested"]
     for a in report.get("resumed") or []:
-        lines += ["", f"Resumed at {a['resumed']} after an interruption: the step costs"
-                      + (", the weight layout" if prov.get("weight_layout_asked") == "auto" else "")
-                      + (", the chosen k" if report.get("k_choice") else "")
-                      + f" and every row's timings of the first {a['units_done']} of "
-                      + (f"{n_prompts} prompts" if cfg["repeats"] == 1 else
-                         f"{n_prompts * cfg['repeats']} prompt passes ({n_prompts} prompts x {cfg['repeats']} repeats)")
-                      + " come from before it"
-                      + (f" (load {a['load']:.1f} at the restart)" if a.get("load") is not None else "") + "."]
+        resized = a.get("resized")
+        kept = (f"{n_prompts} prompts" if cfg["repeats"] == 1 else
+                f"{n_prompts * cfg['repeats']} prompt passes ({n_prompts} prompts x {cfg['repeats']} repeats)")
+        lines += ["", (f"Resumed at {a['resumed']} after an interruption" if resized is None else
+                       f"Extended at {a['resumed']} from a{' finished' if resized['complete'] else 'n interrupted'}"
+                       f" bench of {resized['prompts'][0]} prompts x {resized['repeats'][0]} repeats")
+                  + ": the step costs"
+                  + (", the weight layout" if prov.get("weight_layout_asked") == "auto" else "")
+                  + (", the chosen k" if report.get("k_choice") else "")
+                  + f" and every row's timings of the first {a['units_done']} of {kept} come from before it"
+                  + (f" (load {a['load']:.1f} at the restart)" if a.get("load") is not None else "") + "."]
     if report["partial"]:
         lines += ["", f"**PARTIAL REPORT: {report['note']} after {report['prompts']['runs']} runs "
                       f"({report['prompts']['measured']}/{report['prompts']['requested']} prompts).**"]

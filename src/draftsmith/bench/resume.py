@@ -17,7 +17,13 @@ rest on that). Anything else that changed (settings, prompts, verifier, drafts, 
 versions of the libraries or of draftsmith's own sources) starts the bench afresh, and it says
 why; a serving engine that reports another version than before keeps the step costs but times
 every unit again. A checkpoint that cannot be written is warned about once and the bench goes
-on. The files are removed once the full report is written, and by ``--no-resume``.
+on.
+
+A bench whose settings differ only in ``--num-prompts`` or ``--repeats`` (its prompts the saved
+bench's first ones, or more of them) keeps the saved units that are also the first of its own
+order, and times the rest: a finished bench whose interval came out too wide is extended by the
+prompts it lacks, not timed again. So the files stay once the full report is written, marked
+complete: the same bench once more measures afresh, and ``--no-resume`` removes them.
 """
 
 from __future__ import annotations
@@ -41,16 +47,18 @@ from draftsmith.bench.measure import BenchState, RunResult, environment, load_av
 from draftsmith.bench.report import layout_choice_json
 from draftsmith.config import to_dict
 from draftsmith.decoding.proposers import Proposer
-from draftsmith.utils import atomic_write_json, complete_lines
+from draftsmith.utils import atomic_write_bytes, atomic_write_json, complete_lines
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "bench-state.json"
 UNITS_FILE = "bench-units.jsonl"
 #: bumped when the file's layout changes: an older file is not read
-FORMAT = 2
+FORMAT = 3
 #: settings that shape the report only, not what is measured: they may differ on resume
 REPORT_ONLY = ("out", "progress", "bootstrap", "target_speedup", "resume")
+#: what may differ from a saved bench whose timed units are kept (:func:`kept_units`)
+RESIZABLE = ("settings.num_prompts", "settings.repeats", "prompts")
 
 
 def module_digest(module: torch.nn.Module) -> str:
@@ -137,13 +145,30 @@ def identity(cfg: Any, provenance: Mapping[str, Any], prompts: Sequence[tuple[st
         "settings": {k: v for k, v in to_dict(cfg).items() if k not in REPORT_ONLY},
         "verifier": verifier, "dataset": provenance.get("dataset"),
         "model": f"{param.dtype}@{param.device}",
-        "prompts": hashlib.sha256(json.dumps([list(prompts), list(pilot)]).encode()).hexdigest()[:16],
+        # one digest per prompt: a bench of more (or fewer) of the same prompts keeps those timed
+        "prompts": [_digest(p) for p in prompts], "pilot": _digest(list(pilot)),
         "proposers": {label: [type(p).__name__, proposer_digest(p)] for label, p in proposers.items()},
         # the machine and the software: timings of another host or version are not pooled with these
         "machine": {**{k: env.get(k) for k in ("cpu_model", "cpu_count", "torch_threads", "cuda", "platform",
                                                "draftsmith", "torch", "transformers", "python")},
                     "cuda_runtime": torch.version.cuda, "torchao": _version("torchao"), "sources": sources_digest()},
     }
+
+
+def _digest(x: Any) -> str:
+    return hashlib.sha256(json.dumps(x).encode()).hexdigest()[:16]
+
+
+def kept_units(units: Sequence[Mapping[str, Any]], prompts_before: int, prompts_now: int, repeats_now: int) -> int:
+    """How many of a saved bench's units (in their order) a bench of ``prompts_now`` prompts and
+    ``repeats_now`` repeats keeps, the first ``min(prompts_before, prompts_now)`` prompts being the
+    same: the longest run of them that is also the start of its own order (unit ``u`` is prompt
+    ``u % P`` of repeat ``u // P``), so the units left to time follow them as usual."""
+    for i, unit in enumerate(units):
+        p, r = i % prompts_before, i // prompts_before
+        if unit.get("prompt") != p or p >= prompts_now or r >= repeats_now or r * prompts_now + p != i:
+            return i
+    return len(units)
 
 
 def differences(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> list[str]:
@@ -190,25 +215,52 @@ class Checkpoint:
         self.layout_choice: dict[str, Any] | None = None
         self.engines: dict[str, Any] = {}  # engines_identity of the rows, once they are built
         self.broken = False  # a write failed: warned once, no more checkpoints this run
+        self.kept_lines: list[bytes] | None = None  # a resized bench's kept units, written back by start()
 
     def load(self, say: bool = True) -> dict[str, Any] | None:
         """The saved state when it belongs to this bench, with ``units`` (the units timed, in order)
-        and ``units_done``; None otherwise (a checkpoint of another bench is removed, and why is
-        said on stderr)."""
+        and ``units_done``, and for a bench of other ``--num-prompts``/``--repeats`` ``resized``
+        (prompts and repeats before and now, units saved); None otherwise (a checkpoint of another
+        bench is removed, and why is said on stderr; a complete one of this very bench silently:
+        the same bench again measures afresh)."""
         if not self.path.is_file():
             return None
+        complete = False
         try:
             saved = json.loads(self.path.read_text())
-            diff = differences(saved.get("identity") or {}, self.ident)
+            before = saved.get("identity") or {}
+            complete = bool(saved.get("complete"))
+            diff = differences(before, self.ident)
             why = "these differ: " + ", ".join(diff[:6]) + (" ..." if len(diff) > 6 else "")
             if not diff:
+                if complete:  # the same bench again: measured afresh
+                    self.remove()
+                    return None
                 units = [json.loads(line) for line in complete_lines(self.units_path)]  # a torn last line: cut
                 return {**saved, "units": units, "units_done": len(units)}
-        except (OSError, ValueError, KeyError) as e:
+            if set(diff) <= set(RESIZABLE):
+                old, new = before["prompts"], self.ident["prompts"]
+                n = min(len(old), len(new))
+                if old[:n] != new[:n]:
+                    why = "its prompts are not the first of these"
+                else:
+                    lines = complete_lines(self.units_path)
+                    units = [json.loads(line) for line in lines]
+                    keep = kept_units(units, len(old), len(new), self.ident["settings"]["repeats"])
+                    if keep:
+                        # the file holds those kept only, before a unit is appended to it (start())
+                        self.kept_lines = lines[:keep] if keep < len(lines) else None
+                        return {**saved, "units": units[:keep], "units_done": keep,
+                                "resized": {"prompts": [len(old), len(new)],
+                                            "repeats": [before["settings"]["repeats"],
+                                                        self.ident["settings"]["repeats"]],
+                                            "units_saved": len(units), "complete": complete}}
+                    why = "none of its timed prompts comes first in this bench's order"
+        except (OSError, ValueError, KeyError, TypeError) as e:
             why = f"it cannot be read ({e})"
         if say:
-            print(f"bench: {self.path} holds an interrupted bench that is not this one ({why}); "
-                  "starting afresh", file=sys.stderr)
+            what = "a finished bench" if complete else "an interrupted bench"
+            print(f"bench: {self.path} holds {what} that is not this one ({why}); starting afresh", file=sys.stderr)
         self.remove()
         return None
 
@@ -222,9 +274,11 @@ class Checkpoint:
             log.warning("bench: cannot write the checkpoint's %s (%s); the bench goes on, but an interruption "
                         "from here on would start it afresh", what, e)
 
-    def start(self, state: BenchState, units_done: int) -> None:
+    def start(self, state: BenchState, units_done: int, complete: bool = False) -> None:
         """Write the header: the step costs and choices, the rows, the attempts so far. ``units_done``
-        0 starts the units afresh; a resumed bench keeps its ``units_done`` units."""
+        0 starts the units afresh; a resumed bench keeps its ``units_done`` units (a resized one's
+        file cut to them first, so no other unit is ever read with this header). ``complete``: the
+        full report is written (:meth:`finish`)."""
         c = state.costs
         header = {
             "identity": self.ident, "saved": time.time(), "rows": [r.name for r in state.rows],
@@ -238,14 +292,22 @@ class Checkpoint:
             "draft_fit": state.draft_fit, "costs_compile_seconds": state.costs_compile_seconds,
             "k_choice": state.k_choice, "draft_confidence": state.draft_confidence,
             "started": state.started, "load_at_start": state.load_at_start,
-            "seconds": state.measuring_seconds(), "attempts": state.attempts,
+            "seconds": state.measuring_seconds(), "attempts": state.attempts, "complete": complete,
         }
 
         def write() -> None:
             if units_done == 0:
                 self.units_path.unlink(missing_ok=True)
+            elif self.kept_lines is not None:
+                atomic_write_bytes(self.units_path, b"".join(line + b"\n" for line in self.kept_lines))
+                self.kept_lines = None
             atomic_write_json(self.path, header)
         self._write("header", write)
+
+    def finish(self, state: BenchState) -> None:
+        """Mark the checkpoint complete, its units kept: a bench of more prompts or repeats extends it
+        (:meth:`load`), the same bench again measures afresh."""
+        self.start(state, -1, complete=True)
 
     def add_unit(self, state: BenchState, units_done: int) -> None:
         """Append unit ``units_done - 1``: its prompt's latest run by every row."""
@@ -266,6 +328,14 @@ class Checkpoint:
                 f.unlink(missing_ok=True)
             except OSError as e:
                 log.warning("bench: cannot remove %s (%s)", f, e)
+
+
+def interrupted(out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds the checkpoint of a bench that has not finished."""
+    try:
+        return not json.loads((Path(out_dir) / STATE_FILE).read_text()).get("complete")
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def layout_of(saved: Mapping[str, Any]) -> tuple[str, dict[str, Any] | None]:
@@ -303,7 +373,8 @@ def restore_results(state: BenchState, saved: Mapping[str, Any], keep_units: boo
             state.results.setdefault((r, unit["prompt"]), []).append(_run_from_json(run))
     state.earlier_seconds = float(units[-1]["seconds"] if units else saved["seconds"])
     state.attempts = [*saved.get("attempts", []), {"resumed": time.time(), "units_done": len(units),
-                                                       "load": load_average()}]
+                                                       "load": load_average(),
+                                                       **({"resized": saved["resized"]} if "resized" in saved else {})}]
     return len(units)
 
 

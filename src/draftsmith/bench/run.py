@@ -170,7 +170,9 @@ class BenchConfig(BenchSettings):
                              "thresholds and weight layout, and every prompt all rows had timed, are kept, and the "
                              "timing goes on from the next prompt; only with the same settings, prompts, verifier, "
                              "drafts, machine and versions (otherwise it starts afresh and says what differs). "
-                             "--no-resume times everything again")
+                             "A larger --num-prompts or --repeats extends the bench in --out, finished or not, "
+                             "timing only the prompts it lacks (an interval too wide: add prompts); the same "
+                             "finished bench again measures afresh. --no-resume times everything again")
 
     def __post_init__(self) -> None:
         if not self.drafter and not self.draft:
@@ -219,9 +221,13 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
     layout, layout_choice = cfg.weight_layout, None
     if saved is not None:
         layout, layout_choice = resume.layout_of(saved)
-        print(f"bench: resuming the interrupted bench in {out_dir}: its step costs and its first "
-              f"{saved['units_done']} of {cfg.repeats * len(prompts)} prompt passes, timed by every row, are kept "
-              "(--no-resume times everything again)", file=sys.stderr)
+        resized = saved.get("resized")
+        what = "" if resized is None else (
+            f" (it was {'finished' if resized['complete'] else 'interrupted'}, "
+            f"{resized['prompts'][0]} prompts x {resized['repeats'][0]} repeats, now {len(prompts)} x {cfg.repeats})")
+        print(f"bench: {'extending' if resized else 'resuming'} the {'' if resized else 'interrupted '}bench in "
+              f"{out_dir}{what}: its step costs and its first {saved['units_done']} of {cfg.repeats * len(prompts)} "
+              "prompt passes, timed by every row, are kept (--no-resume times everything again)", file=sys.stderr)
     elif layout == "auto":
         if cfg.progress:
             print("bench: choosing the weight layout (--weight-layout auto): timing the verifier's steps ...",
@@ -362,7 +368,7 @@ def _measure(state: BenchState, model: torch.nn.Module, proposers: dict[str, Pro
         raise
     report = build_report(state, cfg, provenance)
     write_report(report, out_dir)
-    checkpoint.remove()  # complete: a later run measures afresh
+    checkpoint.finish(state)  # complete: the same bench again measures afresh, one of more prompts extends it
     return report
 
 
@@ -379,7 +385,7 @@ def run_bench(cfg: BenchConfig) -> int:
 
 def _continue_hint(cfg: BenchConfig, when: str = "") -> str:
     """How an interrupted bench in ``cfg.out`` continues, where its checkpoint was kept."""
-    if not (Path(cfg.out) / resume.STATE_FILE).is_file():
+    if not resume.interrupted(Path(cfg.out)):
         return ""
     how = "the same command" if cfg.resume else "the same command without --no-resume"
     return f"; {when + ', ' if when else ''}{how} continues where it stopped"
