@@ -375,6 +375,13 @@ def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
     wrong.update(measured_speedup=0.99)
     wrong["measured"][str(wrong["measured_k"])]["ci95"] = [0.95, 1.03]
     assert "wrong**: no measurable effect (0.99x [0.95-1.03] at k=" in bench_report.render_markdown(report)
+    # ... and says how to narrow it: more prompts on the same --out (not for an interval clear of 1.0 and the
+    # target, above, nor for a partial report)
+    assert "its interval holds plain decoding (1.00x): a larger `--num-prompts`" in bench_report.render_markdown(report)
+    line_of_wrong = lambda md: next(x for x in md.splitlines() if x.startswith("- **wrong**"))  # noqa: E731
+    assert "a larger `--num-prompts`" not in line_of_wrong(md)  # [0.75-0.85]
+    assert "a larger `--num-prompts`" not in line_of_wrong(bench_report.render_markdown({**report, "partial": True,
+                                                                                         "note": "interrupted"}))
     # a calibration that saw another machine speed than the rows did is named; a close one is not
     m = wrong["measured"][str(wrong["measured_k"])]
     def wrong_line() -> str:

@@ -510,7 +510,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                 f"{n_prompts * cfg['repeats']} prompt passes ({n_prompts} prompts x {cfg['repeats']} repeats)")
         lines += ["", (f"Resumed at {a['resumed']} after an interruption" if resized is None else
                        f"Extended at {a['resumed']} from a{' finished' if resized['complete'] else 'n interrupted'}"
-                       f" bench of {resized['prompts'][0]} prompts x {resized['repeats'][0]} repeats")
+                       f" bench of {resized['prompts'][0]} prompts x {resized['repeats'][0]} repeat(s)")
                   + ": the step costs"
                   + (", the weight layout" if prov.get("weight_layout_asked") == "auto" else "")
                   + (", the chosen k" if report.get("k_choice") else "")
@@ -616,6 +616,11 @@ def render_markdown(report: dict[str, Any]) -> str:
             if acc["drafted_fraction"] is None or acc["drafted_fraction"] >= 0.999:
                 line += (f"; break-even needs alpha >= {ba:.2f}, measured {be['measured_alpha']:.2f}" if ba
                          else "; even perfect acceptance cannot pay for this draft cost" if ba is None else "")
+        for bound, what in ((1.0, "plain decoding"), (cfg["target_speedup"], "the target")):
+            if lo is not None and lo <= bound <= hi and not report["partial"]:
+                line += (f"; its interval holds {what} ({bound:.2f}x): a larger `--num-prompts` with the same "
+                         "`--out` times only the prompts added and keeps these")
+                break
         lines.append(line + ".")
     agree = report.get("engine_agreement") or []
     if agree:

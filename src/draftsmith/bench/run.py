@@ -224,7 +224,7 @@ def _benchmark(model: torch.nn.Module, prompts: list[tuple[str, list[int]]], pro
         resized = saved.get("resized")
         what = "" if resized is None else (
             f" (it was {'finished' if resized['complete'] else 'interrupted'}, "
-            f"{resized['prompts'][0]} prompts x {resized['repeats'][0]} repeats, now {len(prompts)} x {cfg.repeats})")
+            f"{resized['prompts'][0]} prompts x {resized['repeats'][0]} repeat(s), now {len(prompts)} x {cfg.repeats})")
         print(f"bench: {'extending' if resized else 'resuming'} the {'' if resized else 'interrupted '}bench in "
               f"{out_dir}{what}: its step costs and its first {saved['units_done']} of {cfg.repeats * len(prompts)} "
               "prompt passes, timed by every row, are kept (--no-resume times everything again)", file=sys.stderr)
