@@ -1,4 +1,4 @@
-// Few-row linear (float32 or int8 weights) and RMSNorm on the CPU (draftsmith.models.cpu_linear, `--weight-layout cpp`):
+// Few-row linear (float32, bfloat16 or int8 weights) and RMSNorm on the CPU (draftsmith.models.cpu_linear, `--weight-layout cpp`):
 // y [..., N] = x [..., K] W[N, K]^T (+ b).
 //
 // A decode step has m = 1 row, a verify step m = k + 1, so the product is a read of W with a
@@ -17,6 +17,10 @@
 // The same loop reads int8 weights (one float32 scale per output row; `small_linear_i8`, the int8
 // draft of `--draft-precision int8`): 16 weights are widened to floats in registers, so a step
 // reads a quarter of the bytes and the activations stay float32 (W8A32).
+//
+// And bfloat16 weights and activations (a model loaded with `--dtype bfloat16`): W widened to float32 in
+// registers (exact: a shift), x widened once per call, the sums in float32, y rounded to bfloat16 to
+// nearest even, as ATen rounds; a step reads half the bytes of float32.
 //
 // Every y[i, n] is the same sum in the same order (lane j holds k = j mod 16, the tree adds
 // the lanes in a fixed order, the bias last) whatever m is and whichever tile row i sits in,
@@ -67,6 +71,30 @@ inline v16f loadw(const int8_t* p) {
   v16c c;
   std::memcpy(&c, p, sizeof c);
   return __builtin_convertvector(c, v16f);
+#endif
+}
+
+// 16 bfloat16 weights (their bits, uint16) as floats: the bits shifted into a float32's upper half (exact).
+inline v16f loadw(const uint16_t* p) {
+#if defined(__AVX512F__)
+  const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  v16f v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+#elif defined(__AVX2__)
+  const __m256i lo = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  const __m256i hi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))), 16);
+  v16f v;
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+  return v;
+#else
+  v16f v;
+  for (int j = 0; j < 16; ++j) {
+    const uint32_t u = static_cast<uint32_t>(p[j]) << 16;
+    std::memcpy(reinterpret_cast<char*>(&v) + 4 * j, &u, 4);
+  }
+  return v;
 #endif
 }
 
@@ -214,9 +242,46 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return y.view(x.sizes());
 }
 
+// small_linear for bfloat16 x, w (and b): x widened once, W in registers, y rounded to bfloat16.
+at::Tensor small_linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "small_linear: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "small_linear: bfloat16 x for bfloat16 w");
+  TORCH_CHECK(x.dim() >= 1 && w.dim() == 2 && x.size(-1) == w.size(1),
+              "small_linear: x [..., K] and w [N, K] expected, got ", x.sizes(), " and ", w.sizes());
+  const at::Tensor xb = x.reshape({-1, w.size(1)}).contiguous();
+  const at::Tensor wc = w.contiguous();
+  const int64_t m = xb.size(0), K = xb.size(1), N = wc.size(0);
+  at::Tensor bf;
+  if (b.has_value() && b->defined()) {
+    TORCH_CHECK(b->dim() == 1 && b->size(0) == N && b->device().is_cpu() &&
+                (b->scalar_type() == at::kBFloat16 || b->scalar_type() == at::kFloat),
+                "small_linear: b [N] bfloat16 or float32 expected");
+    bf = b->to(at::kFloat).contiguous();
+  }
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  at::Tensor out = at::empty({m, N}, xb.options());
+  if (m == 0 || N == 0) return out.view(shape);
+  at::Tensor xf = at::empty({m, K}, xb.options().dtype(at::kFloat));
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  float* xd = xf.data_ptr<float>();
+  for (int64_t i = 0; i < m * K; ++i) {
+    const uint32_t u = static_cast<uint32_t>(xs[i]) << 16;
+    std::memcpy(xd + i, &u, 4);
+  }
+  at::Tensor y = at::empty({m, N}, xf.options());
+  linear_rows<uint16_t>(xd, m, K, reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()), N, nullptr,
+                        bf.defined() ? bf.data_ptr<float>() : nullptr, y.data_ptr<float>());
+  const float* yp = y.data_ptr<float>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  for (int64_t i = 0; i < m * N; ++i) op[i] = at::BFloat16(yp[i]);  // round to nearest even, as ATen does
+  return out.view(shape);
+}
+
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) {
+  if (w.scalar_type() == at::kBFloat16) return small_linear_bf16(x, w, b);
   const at::Tensor xc = rows_of("small_linear", x, w);
-  TORCH_CHECK(w.scalar_type() == at::kFloat, "small_linear: float32 w");
+  TORCH_CHECK(w.scalar_type() == at::kFloat, "small_linear: float32 or bfloat16 w");
   return run<float>(x, xc, w, at::Tensor(), per_row("small_linear", "b", b, w.size(0)));
 }
 

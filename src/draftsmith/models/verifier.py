@@ -25,6 +25,9 @@ from draftsmith.models.eagle3 import RMSNorm
 from draftsmith.models.quantize import Int8WeightLinear
 from draftsmith.utils import atomic_dir, cache_dir, resolve_device, resolve_dtype
 
+#: weight dtypes the few-row kernel multiplies (``--weight-layout cpp``)
+_CPP_DTYPES = (torch.float32, torch.bfloat16)
+
 log = logging.getLogger(__name__)
 
 # Config keys that say how a model was loaded, not what it computes.
@@ -338,13 +341,14 @@ def linears_onednn(model: torch.nn.Module, enabled: bool = True) -> Iterator[int
 
 
 class CppLinear(torch.nn.Linear):
-    """An ``nn.Linear`` whose products of up to :data:`~draftsmith.models.cpu_linear.MAX_ROWS` float32
-    rows run through draftsmith's few-row kernel (:mod:`draftsmith.models.cpu_linear`); longer inputs
-    (a prefill), other dtypes and compiled graphs take ``F.linear`` on the same weight (MKL's GEMM)."""
+    """An ``nn.Linear`` whose products of up to :data:`~draftsmith.models.cpu_linear.MAX_ROWS` rows run
+    through draftsmith's few-row kernel (:mod:`draftsmith.models.cpu_linear`), float32 or bfloat16 (the
+    input of the weight's dtype); longer inputs (a prefill), other dtypes and compiled graphs take
+    ``F.linear`` on the same weight (MKL's or oneDNN's GEMM)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if 0 < x.numel() <= _CPP_MAX_ROWS * self.in_features and x.dtype is torch.float32 \
-                and not torch.compiler.is_compiling():
+        if 0 < x.numel() <= _CPP_MAX_ROWS * self.in_features and x.dtype is self.weight.dtype \
+                and x.dtype in _CPP_DTYPES and not torch.compiler.is_compiling():
             return torch.ops.draftsmith.small_linear(x, self.weight, self.bias)
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
@@ -381,8 +385,11 @@ class CppRMSNorm(RMSNorm):
 
 @contextlib.contextmanager
 def linears_cpp(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
-    """Multiply ``model``'s float32 Linear layers with draftsmith's few-row C++ kernel while the block
-    runs (decode and verify steps; a prefill stays on MKL's GEMM); put them back after.
+    """Multiply ``model``'s float32 or bfloat16 Linear layers with draftsmith's few-row C++ kernel while
+    the block runs (decode and verify steps; a prefill stays on MKL's or oneDNN's GEMM); put them back
+    after. In bfloat16 the kernel widens the weights in registers and sums in float32: a step reads
+    half the bytes, and with the decode-attention kernel (below) a verify step's rows are the rows of
+    one-token steps, so speculative output is plain bfloat16 output exactly (BENCHMARKS.md 15n).
 
     On the AMD EPYC of BENCHMARKS.md (section 15g) a SmolLM2-135M eager one-token step costs ~0.7x
     its oneDNN cost with it and a 2-token verify ~1.05-1.1x a one-token step, and a row's result
@@ -396,7 +403,7 @@ def linears_cpp(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
     lean step is then transformers' within rounding, not bitwise). CPU only.
 
     Yields:
-        The number of layers switched (0 when not ``enabled``, or no float32 Linear or int8 layer).
+        The number of layers switched (0 when not ``enabled``, or no float32 / bfloat16 Linear or int8 layer).
 
     Raises:
         DraftsmithError: the model is not on the CPU, or the kernel cannot be built here.
@@ -408,7 +415,7 @@ def linears_cpp(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
                 if mod.weight.device.type != "cpu":
                     raise DraftsmithError(f"--weight-layout cpp is a CPU kernel; the model is on "
                                           f"{mod.weight.device.type}")
-                if mod.weight.dtype is torch.float32:
+                if mod.weight.dtype in _CPP_DTYPES:
                     mods.append(mod)
             elif type(mod) is Int8WeightLinear:  # an int8 draft's layers (--draft-precision int8)
                 mods.append(mod)
