@@ -315,6 +315,11 @@ def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
     names = [r["name"] for r in report["rows"]]
     assert names[0] == "plain (ours)" and "HF generate" in names and "HF prompt lookup k=3" in names
     assert len(names) == 1 + 3 * 2 + 2
+    # outputs are judged against plain decoding by the same implementation: HF's prompt lookup against
+    # HF generate (the same forward), everything else against ours; speedups all over ours
+    refs = {r["name"]: r["reference"] for r in report["rows"]}
+    assert refs["HF prompt lookup k=3"] == "HF generate" and refs["HF generate"] == "plain (ours)"
+    assert refs["ngram k=2"] == "plain (ours)"
     for r in report["rows"]:
         assert r["identical_output_rate"] == 1.0, r["name"]  # greedy: every row reproduces plain decoding
         if r["kind"] != "plain":  # ... and the tie-aware verdict says so
@@ -399,9 +404,9 @@ def test_tiny_run_writes_report_plots_and_short_markdown(tiny, tmp_path):
     assert "(T(1) 20.0 ms in the calibration, 27.0 ms in the rows; " in wrong_line()
     m.update(predicted=0.98)
     assert "(1.00x with the step prices" in wrong_line() and "the machine's speed changed" not in wrong_line()
-    assert "MISMATCH: ngram k=2 leaves plain decoding on 1 prompt(s)" in md and "a bug" in md
+    assert "MISMATCH: ngram k=2 leaves plain (ours) on 1 prompt(s)" in md and "a bug" in md
     assert "| ngram k=2 |" in md and " | 0 / 1 / 1 | " in md
-    assert "ngram k=3 parts from plain decoding at a numerical tie on 1 prompt(s) (largest margin 0.125" in md
+    assert "ngram k=3 parts from plain (ours) at a numerical tie on 1 prompt(s) (largest margin 0.125" in md
     assert "MISMATCH: ngram k=3" not in md
     assert len(md.splitlines()) <= 40
 

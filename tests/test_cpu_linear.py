@@ -52,7 +52,25 @@ def test_small_linear_i8_is_the_int8_product_rescaled(K, N):
             torch.testing.assert_close(got.double(), want, atol=(1e-5 * K ** 0.5 + 1e-6) * 128 / 64, rtol=1e-5)
 
 
-@pytest.mark.parametrize("weights", ["float32", "int8"])
+@pytest.mark.parametrize("K", [1, 15, 16, 17, 33, 576])
+@pytest.mark.parametrize("N", [1, 9, 65])
+def test_small_linear_bfloat16_is_the_product_rounded_to_bfloat16(K, N):
+    """bfloat16 x, w and b: the float64 product rounded to bfloat16, but where float32 summation moves a
+    value across a rounding boundary (one bfloat16 ulp, rarely); y is bfloat16."""
+    g = torch.Generator().manual_seed(K * 100 + N)
+    w, b = torch.randn(N, K, generator=g).bfloat16(), torch.randn(N, generator=g).bfloat16()
+    for M in (1, 2, 3, 9, 17):
+        x = torch.randn(M, K, generator=g).bfloat16()
+        for bias in (b, None):
+            got = cpu_linear.small_linear(x, w, bias)
+            assert got.shape == (M, N) and got.dtype == torch.bfloat16
+            want = _exact(x, w, bias)
+            ulp = want.abs().clamp_min(2.0 ** -126).log2().floor().exp2() * 2.0 ** -7
+            assert ((got.double() - want).abs() <= ulp * 0.5 + 1e-5 * K ** 0.5 * want.abs().clamp_min(1)).all()
+            assert (got == want.bfloat16()).double().mean() > 0.9
+
+
+@pytest.mark.parametrize("weights", ["float32", "int8", "bfloat16"])
 def test_small_linear_rows_are_batch_invariant(weights):
     """A row's result is bitwise the same whether it is computed alone (a one-token step) or among
     others (a verify step), for every row count up to 17 and every row in it."""
@@ -66,11 +84,13 @@ def test_small_linear_rows_are_batch_invariant(weights):
         op = lambda x_, b_: cpu_linear.small_linear(x_, w, b_)  # noqa: E731
     b = torch.randn(193, generator=g)
     x = torch.randn(17, 577, generator=g)
+    if weights == "bfloat16":
+        w, b, x = w.bfloat16(), b.bfloat16(), x.bfloat16()
     alone = torch.cat([op(x[i:i + 1], b) for i in range(17)])
     for M in range(1, 18):
         assert torch.equal(op(x[:M], b), alone[:M]), M
     # the control: a product summed in another order (float64, rounded) is not bitwise the same
-    assert not torch.equal(_exact(x, w, b).float(), alone)
+    assert not torch.equal(_exact(x, w, b).to(alone.dtype), alone)
 
 
 def test_small_linear_takes_any_leading_shape_and_strides():
@@ -90,14 +110,18 @@ def test_small_linear_takes_any_leading_shape_and_strides():
         cpu_linear.small_linear_i8(x, w, scale)
     with pytest.raises(RuntimeError, match="scale"):
         cpu_linear.small_linear_i8(x, q, scale[:-1])
-    with pytest.raises(RuntimeError, match="float32 w"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 w"):
         cpu_linear.small_linear(x, q)
+    with pytest.raises(RuntimeError, match="bfloat16 x"):
+        cpu_linear.small_linear(x, w.bfloat16())
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert torch.equal(cpu_linear.small_linear(xb, wb)[0], cpu_linear.small_linear(xb[0].contiguous(), wb))
 
 
 def test_cpp_linear_routes_steps_to_the_kernel_and_a_prefill_to_mkl():
     """Inside ``--weight-layout cpp`` a Linear of up to MAX_ROWS rows is the kernel's product
-    (bitwise), a longer input (a prefill) and a bfloat16 one are ``F.linear``'s; after the block
-    the module is a plain Linear again."""
+    (bitwise), float32 or bfloat16, a longer input (a prefill) and a float64 one are ``F.linear``'s;
+    after the block the module is a plain Linear again."""
     from draftsmith.models.verifier import CppLinear, weight_layout
 
     lin = torch.nn.Linear(64, 48)
@@ -111,7 +135,10 @@ def test_cpp_linear_routes_steps_to_the_kernel_and_a_prefill_to_mkl():
         x = torch.randn(1, cpu_linear.MAX_ROWS + 1, 64, generator=g)
         assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
         xb = x[:, :2].bfloat16()
-        assert lin.to(torch.bfloat16)(xb).dtype == torch.bfloat16  # other dtypes: F.linear
+        lin.to(torch.bfloat16)
+        assert torch.equal(lin(xb), cpu_linear.small_linear(xb, lin.weight, lin.bias))
+        xd = x[:, :2].double()
+        assert torch.equal(lin.double()(xd), torch.nn.functional.linear(xd, lin.weight, lin.bias))  # other dtypes
         lin.float()
     assert type(lin) is torch.nn.Linear
 
@@ -149,8 +176,10 @@ def test_cpp_layout_switches_only_float32_cpu_linears_and_refuses_without_the_ke
     from draftsmith.errors import DraftsmithError
     from draftsmith.models.verifier import weight_layout
 
+    with weight_layout(torch.nn.Sequential(torch.nn.Linear(4, 4).half()), "cpp") as n:
+        assert n == 0  # nothing float32 or bfloat16 to switch
     with weight_layout(torch.nn.Sequential(torch.nn.Linear(4, 4).bfloat16()), "cpp") as n:
-        assert n == 0  # nothing float32 to switch
+        assert n == 1
     with pytest.raises(DraftsmithError, match="CPU kernel"):
         with weight_layout(torch.nn.Sequential(torch.nn.Linear(4, 4, device="meta")), "cpp"):
             pass

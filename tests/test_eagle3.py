@@ -7,7 +7,7 @@ import torch
 
 from conftest import tiny_model
 from draftsmith import generate
-from draftsmith.decoding.proposers import Eagle3Proposer
+from draftsmith.decoding.proposers import DraftModelProposer, Eagle3Proposer
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.eagle3 import Eagle3Config, Eagle3Draft
 
@@ -151,6 +151,36 @@ def test_greedy_equivalence_eagle3_in_the_cpp_layout(arch, monkeypatch):
                                eos_token_id=[])
                 assert out.token_ids == plain, (type(draft.lm_head).__name__, k)
                 assert out.stats["drafts"] > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
+def test_bfloat16_speculative_output_is_plain_bfloat16_output_exactly_in_the_cpp_layout(arch, monkeypatch):
+    """In bfloat16 a verify step's rows round differently from one-token steps' in ATen's kernels (the
+    bench calls the divergences ties); inside --weight-layout cpp every Linear and the eager attention
+    compute a row the same whatever the rows beside it, so speculative output is plain bfloat16
+    output token for token, with an EAGLE-3 draft and a draft model at k = 1 and 4; the layout's
+    kernel is in use, in bfloat16 (its calls counted)."""
+    from draftsmith.models import cpu_attention, cpu_linear
+    from draftsmith.models.verifier import weight_layouts
+
+    if not (cpu_linear.available() and cpu_attention.available()):
+        pytest.fail("the C++ kernels do not build here")
+    verifier = tiny_model(arch).to(torch.bfloat16)
+    d = _draft(verifier, vd=64).to(torch.bfloat16)
+    d.config.aux_layer_ids = [0, 1, 2]
+    real, calls = torch.ops.draftsmith.small_linear, []
+    monkeypatch.setattr(torch.ops.draftsmith, "small_linear", lambda *a: calls.append(a[0].dtype) or real(*a))
+    with weight_layouts([verifier, d], "cpp"):
+        for seed in range(2):
+            prompt = torch.randint(2, 128, (10,), generator=torch.Generator().manual_seed(seed)).tolist()
+            plain = generate(verifier, prompt, max_new_tokens=30, eos_token_id=[]).token_ids
+            assert calls and set(calls) == {torch.bfloat16}
+            for prop in (Eagle3Proposer(d), DraftModelProposer(verifier)):
+                for k in (1, 4):
+                    out = generate(verifier, prompt, proposer=prop, max_new_tokens=30, num_draft_tokens=k,
+                                   eos_token_id=[])
+                    assert out.token_ids == plain, (type(prop).__name__, k, seed)
+                    assert out.stats["drafts"] > 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "llama-hd64"])

@@ -345,9 +345,15 @@ def baseline_index(rows: Sequence[Row], r: int) -> int:
 
 
 def reference_index(rows: Sequence[Row], r: int) -> int:
-    """The row whose outputs row ``r`` must reproduce: plain decoding of the same verifier
-    (the quantized plain row for a drafter on a quantized verifier, else :func:`baseline_index`)."""
+    """The row whose outputs row ``r`` must reproduce: plain decoding of the same verifier by the
+    same implementation (the quantized plain row for a drafter on a quantized verifier; HF
+    ``generate`` for HF's prompt lookup, where it is measured: the same forward and kernels, so
+    only a verify's rounding can part them; else :func:`baseline_index`)."""
     quant = rows[r].quant
+    if rows[r].kind == "hf-prompt-lookup":
+        hf = [i for i, row in enumerate(rows) if row.kind == "hf-generate"]
+        if hf:
+            return hf[0]
     if quant is None:
         return baseline_index(rows, r)
     return next(i for i, row in enumerate(rows) if row.kind == "quantized" and row.quant == quant)

@@ -537,14 +537,17 @@ def render_markdown(report: dict[str, Any]) -> str:
         worst = max((d for d in o["divergences"] if d["kind"] == "tie"), key=lambda d: d["margin"], default=None)
         if o["mismatch"]:
             first = next(d for d in o["divergences"] if d["kind"] == "mismatch")
-            lines += ["", f"**MISMATCH: {r['name']} leaves {r['reference'] if r.get('quant') else 'plain decoding'} on {o['mismatch']} prompt(s) where no "
+            lines += ["", f"**MISMATCH: {r['name']} leaves {r['reference']} on {o['mismatch']} prompt(s) where no "
                           f"rounding explains it (first: prompt {first['prompt']}, {first['reason']}). This is a "
                           "bug in the decoding, not a numerical tie.**"]
         if worst is not None:
-            lines += ["", f"Note: {r['name']} parts from plain decoding at a numerical tie on {o['tie']} prompt(s) "
+            why = ("HF's forward (its attention kernel, its prefill) rounds differently from ours"
+                   if r["kind"] == "hf-generate" else
+                   "verifying several tokens at once rounds differently from one at a time")
+            lines += ["", f"Note: {r['name']} parts from {r['reference']} at a numerical tie on {o['tie']} prompt(s) "
                           f"(largest margin {worst['margin']:.3g}, float32 {worst['margin_float32']:.3g}, tolerance "
-                          f"{worst['tolerance']:.3g} = {TIE_ULPS:g} ulps of {prov.get('dtype', '?')}): verifying "
-                          "several tokens at once rounds differently from one at a time; identical up to ties."]
+                          f"{worst['tolerance']:.3g} = {TIE_ULPS:g} ulps of {prov.get('dtype', '?')}): {why}; "
+                          "identical up to ties."]
     layout = layout_words(report.get("weight_layout_choice"))
     if layout:
         lines += ["", layout]

@@ -1,5 +1,6 @@
-"""Few-row Linear on the CPU: a C++ kernel as a custom op (``--weight-layout cpp``), float32 weights
-(:func:`small_linear`) or an int8 draft's (:func:`small_linear_i8`), and the draft's RMSNorm (:func:`rms_norm`).
+"""Few-row Linear on the CPU: a C++ kernel as a custom op (``--weight-layout cpp``), float32 or bfloat16
+weights (:func:`small_linear`) or an int8 draft's (:func:`small_linear_i8`), and the draft's RMSNorm
+(:func:`rms_norm`).
 
 An eager decode step multiplies one row (a verify step k + 1 rows) by each weight, and costs
 what reading the weights costs. MKL's float32 GEMM and oneDNN's matmul are made for many rows:
@@ -53,7 +54,9 @@ def available() -> bool:
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for float32 CPU tensors ``x [..., K]``, ``weight [N, K]``, ``bias [N]``.
+    """``x @ weight.T + bias`` for float32 CPU tensors ``x [..., K]``, ``weight [N, K]``, ``bias [N]``, or
+    bfloat16 ones (the weights widened in registers, the sums in float32, the result rounded to
+    bfloat16 to nearest even: half the bytes a step reads; rows batch-invariant the same way).
 
     :func:`available` must have returned True. Any number of rows is accepted; callers send at
     most :data:`MAX_ROWS`.
