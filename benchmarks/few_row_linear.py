@@ -10,7 +10,8 @@ interleaved per repeat, medians:
 
 - ``gemm``: the 211 GEMMs of a SmolLM2-135M step (538 MB of float32 weights streamed from memory)
   for 1..N rows: ``torch.mm`` (MKL) vs the kernel and (since 15g) oneDNN's matmul, and whether the
-  kernel's rows are bitwise independent of how many rows it is given.
+  kernel's rows are bitwise independent of how many rows it is given; ``--dtypes float32 bfloat16``
+  repeats it in bfloat16 (269 MB; ``torch.mm`` is then ATen's bfloat16 GEMM, 15n).
 - ``steps``: the compiled lean step of SmolLM2-135M at ``--context`` cached tokens, wall time per
   step, for the engine's C++ GEMM template tier, ATen (MKL, inductor without freezing) and the
   kernel (inductor without freezing, every plain Linear through the kernel); and whether a verify
@@ -52,16 +53,16 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None)
     return torch.ops.draftsmith.small_linear(x, w, b)
 
 
-def gemm_section(rows: list[int], repeats: int) -> dict:
+def gemm_section(rows: list[int], repeats: int, dtype: torch.dtype = torch.float32) -> dict:
     g = torch.Generator().manual_seed(0)
-    layers = [[torch.randn(n, k, generator=g) * 0.02 for n, k in
+    layers = [[(torch.randn(n, k, generator=g) * 0.02).to(dtype) for n, k in
                ((H, H), (KV, H), (KV, H), (H, H), (INTER, H), (INTER, H), (H, INTER))] for _ in range(LAYERS)]
-    head = torch.randn(VOCAB, H, generator=g) * 0.02
-    x = torch.randn(max(rows), H, generator=g)
+    head = (torch.randn(VOCAB, H, generator=g) * 0.02).to(dtype)
+    x = torch.randn(max(rows), H, generator=g).to(dtype)
     full = rows_linear(x, head)
     invariant = all(torch.equal(rows_linear(x[:m].contiguous(), head), full[:m]) for m in rows)
-    ref = (x.double() @ head.double().t()).float()
-    max_err = (full - ref).abs().max().item()
+    ref = (x.double() @ head.double().t()).to(dtype)
+    max_err = (full.double() - ref.double()).abs().max().item()
 
     def step(fn, xm, xi):
         for ws in layers:
@@ -76,7 +77,7 @@ def gemm_section(rows: list[int], repeats: int) -> dict:
     names = list(fns)
     for rep in range(repeats + 1):
         for m in rows:
-            xm, xi = torch.randn(m, H, generator=g), torch.randn(m, INTER, generator=g)
+            xm, xi = torch.randn(m, H, generator=g).to(dtype), torch.randn(m, INTER, generator=g).to(dtype)
             for name in names[rep % len(names):] + names[:rep % len(names)]:
                 t = time.perf_counter()
                 step(fns[name], xm, xi)
@@ -84,7 +85,7 @@ def gemm_section(rows: list[int], repeats: int) -> dict:
                     seen.setdefault(name, {}).setdefault(m, []).append(1e3 * (time.perf_counter() - t))
     ms = {name: {m: statistics.median(v) for m, v in per.items()} for name, per in seen.items()}
     for name, per in ms.items():
-        print(f"[gemm {name:6s}] " + "  ".join(f"{m} rows {t:.2f} ms ({t / per[rows[0]]:.2f}x)" for m, t in per.items()),
+        print(f"[gemm {str(dtype).removeprefix('torch.')} {name:6s}] " + "  ".join(f"{m} rows {t:.2f} ms ({t / per[rows[0]]:.2f}x)" for m, t in per.items()),
               flush=True)
     print(f"[gemm] kernel rows bitwise independent of the row count: {invariant}; max |err| vs float64 {max_err:.2e}")
     return {"ms": ms, "rows_bitwise_invariant": invariant, "max_abs_error_vs_float64": max_err}
@@ -219,6 +220,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=117)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--verifier", default="smollm2-135m")
+    ap.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32"],
+                    help="the gemm section's weight and activation dtypes (bfloat16: the kernel's bfloat16 form, "
+                         "BENCHMARKS.md 15n)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -231,7 +235,9 @@ def main() -> None:
     except (OSError, StopIteration):
         pass
     if "gemm" in args.sections:
-        out["gemm"] = gemm_section(args.rows, args.repeats)
+        for i, name in enumerate(args.dtypes):
+            out["gemm" if i == 0 and name == "float32" else f"gemm_{name}"] = gemm_section(
+                args.rows, args.repeats, getattr(torch, name))
     if "steps" in args.sections:
         out["steps"] = steps_section(args.verifier, args.tokens, args.context, args.repeats)
     if "int8" in args.sections:
