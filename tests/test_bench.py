@@ -576,6 +576,7 @@ def test_kept_units_are_the_saved_ones_that_start_the_new_order():
     assert kept_units(units, 3, 2, 2) == 2
     assert kept_units(units[:2], 3, 5, 1) == 2  # an interrupted bench of more prompts
     assert kept_units([{"prompt": 1}], 3, 4, 1) == 0  # negative control: a unit out of order
+    assert kept_units([], 0, 4, 1) == 0
 
 
 def test_a_finished_bench_is_extended_by_more_prompts_or_repeats_timing_only_those(tiny, tmp_path, monkeypatch,

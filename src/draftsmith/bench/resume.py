@@ -164,6 +164,8 @@ def kept_units(units: Sequence[Mapping[str, Any]], prompts_before: int, prompts_
     ``repeats_now`` repeats keeps, the first ``min(prompts_before, prompts_now)`` prompts being the
     same: the longest run of them that is also the start of its own order (unit ``u`` is prompt
     ``u % P`` of repeat ``u // P``), so the units left to time follow them as usual."""
+    if prompts_before < 1:
+        return 0
     for i, unit in enumerate(units):
         p, r = i % prompts_before, i // prompts_before
         if unit.get("prompt") != p or p >= prompts_now or r >= repeats_now or r * prompts_now + p != i:
