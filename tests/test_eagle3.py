@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -165,7 +167,7 @@ def test_bfloat16_speculative_output_is_plain_bfloat16_output_exactly_in_the_cpp
 
     if not (cpu_linear.available() and cpu_attention.available()):
         pytest.fail("the C++ kernels do not build here")
-    verifier = tiny_model(arch).to(torch.bfloat16)
+    verifier = copy.deepcopy(tiny_model(arch)).to(torch.bfloat16)  # the cached one stays float32
     d = _draft(verifier, vd=64).to(torch.bfloat16)
     d.config.aux_layer_ids = [0, 1, 2]
     real, calls = torch.ops.draftsmith.small_linear, []

@@ -130,7 +130,7 @@ def test_float32_twin_makes_only_float32_tensors_and_leaves_the_model_as_it_is()
     values, shared weights still shared, the model itself untouched, its scores those of ``model.float()``."""
     from draftsmith.bench.measure import float32_twin
 
-    model = tiny_model("llama").to(torch.bfloat16)
+    model = copy.deepcopy(tiny_model("llama")).to(torch.bfloat16)  # the cached one stays as it is
     model.lm_head.weight = model.model.embed_tokens.weight  # tied, as in SmolLM2
     before = {n: p.clone() for n, p in model.state_dict().items()}
     twin = float32_twin(model)
