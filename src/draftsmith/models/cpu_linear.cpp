@@ -51,22 +51,39 @@ constexpr int64_t kPrefetch = 512;
 
 typedef int8_t v16c __attribute__((vector_size(16)));
 
+// The bits of a 64-byte register, or of two 32-byte halves, as 16 floats.
+template <typename R>
+inline v16f as_v16f(const R& r) {
+  static_assert(sizeof(R) == sizeof(v16f), "a 64-byte register");
+  v16f v;
+  std::memcpy(&v, &r, sizeof v);
+  return v;
+}
+template <typename R>
+inline v16f as_v16f(const R& lo, const R& hi) {
+  static_assert(2 * sizeof(R) == sizeof(v16f), "two 32-byte halves");
+  v16f v;
+  std::memcpy(&v, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+  return v;
+}
+
+// A bfloat16's bits (uint16) as the float32 it is: shifted into the upper half (exact).
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 // 16 weights as floats: float32 as they are, int8 widened (sign-extended, converted exactly).
 inline v16f loadw(const float* p) { return load16(p); }
 inline v16f loadw(const int8_t* p) {
 #if defined(__AVX512F__)
-  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  v16f v;
-  std::memcpy(&v, &f, sizeof v);
-  return v;
+  return as_v16f(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
 #elif defined(__AVX2__)
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
-  v16f v;
-  std::memcpy(&v, &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
-  return v;
+  return as_v16f(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
 #else
   v16c c;
   std::memcpy(&c, p, sizeof c);
@@ -74,26 +91,18 @@ inline v16f loadw(const int8_t* p) {
 #endif
 }
 
-// 16 bfloat16 weights (their bits, uint16) as floats: the bits shifted into a float32's upper half (exact).
+// 16 bfloat16 weights (their bits, uint16) as floats (bf16_to_float, 8 or 16 at a time).
 inline v16f loadw(const uint16_t* p) {
 #if defined(__AVX512F__)
-  const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
-  v16f v;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
+  return as_v16f(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 #elif defined(__AVX2__)
-  const __m256i lo = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
-  const __m256i hi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))), 16);
-  v16f v;
-  std::memcpy(&v, &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
-  return v;
+  const auto half = [](const uint16_t* q) {
+    return _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))), 16);
+  };
+  return as_v16f(half(p), half(p + 8));
 #else
   v16f v;
-  for (int j = 0; j < 16; ++j) {
-    const uint32_t u = static_cast<uint32_t>(p[j]) << 16;
-    std::memcpy(reinterpret_cast<char*>(&v) + 4 * j, &u, 4);
-  }
+  for (int j = 0; j < 16; ++j) v[j] = bf16_to_float(p[j]);
   return v;
 #endif
 }
@@ -173,10 +182,11 @@ void linear_rows(const float* xp, int64_t m, int64_t K, const W* wp, int64_t N, 
   });
 }
 
-// x [..., K] as a contiguous float32 [m, K], after the checks every entry point shares.
-at::Tensor rows_of(const char* op, const at::Tensor& x, const at::Tensor& w) {
+// x [..., K] as a contiguous [m, K] of `dtype` (float32, or bfloat16 for bfloat16 w), after the checks
+// every entry point shares.
+at::Tensor rows_of(const char* op, const at::Tensor& x, const at::Tensor& w, at::ScalarType dtype = at::kFloat) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": float32 x");
+  TORCH_CHECK(x.scalar_type() == dtype, op, dtype == at::kFloat ? ": float32 x" : ": bfloat16 x for bfloat16 w");
   TORCH_CHECK(x.dim() >= 1 && w.dim() == 2 && x.size(-1) == w.size(1),
               op, ": x [..., K] and w [N, K] expected, got ", x.sizes(), " and ", w.sizes());
   return x.reshape({-1, w.size(1)}).contiguous();
@@ -244,11 +254,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 
 // small_linear for bfloat16 x, w (and b): x widened once, W in registers, y rounded to bfloat16.
 at::Tensor small_linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) {
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "small_linear: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "small_linear: bfloat16 x for bfloat16 w");
-  TORCH_CHECK(x.dim() >= 1 && w.dim() == 2 && x.size(-1) == w.size(1),
-              "small_linear: x [..., K] and w [N, K] expected, got ", x.sizes(), " and ", w.sizes());
-  const at::Tensor xb = x.reshape({-1, w.size(1)}).contiguous();
+  const at::Tensor xb = rows_of("small_linear", x, w, at::kBFloat16);
   const at::Tensor wc = w.contiguous();
   const int64_t m = xb.size(0), K = xb.size(1), N = wc.size(0);
   at::Tensor bf;
@@ -265,10 +271,7 @@ at::Tensor small_linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10
   at::Tensor xf = at::empty({m, K}, xb.options().dtype(at::kFloat));
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   float* xd = xf.data_ptr<float>();
-  for (int64_t i = 0; i < m * K; ++i) {
-    const uint32_t u = static_cast<uint32_t>(xs[i]) << 16;
-    std::memcpy(xd + i, &u, 4);
-  }
+  for (int64_t i = 0; i < m * K; ++i) xd[i] = bf16_to_float(xs[i]);
   at::Tensor y = at::empty({m, N}, xf.options());
   linear_rows<uint16_t>(xd, m, K, reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()), N, nullptr,
                         bf.defined() ? bf.data_ptr<float>() : nullptr, y.data_ptr<float>());
