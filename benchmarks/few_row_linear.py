@@ -18,9 +18,17 @@ interleaved per repeat, medians:
   of 3 tokens gives bitwise the logits of 3 one-token steps.
 - ``int8`` (not in the default set; since 15h): the 8 GEMMs of an int8 EAGLE-3 draft step, ATen's
   ``_weight_int8pack_mm`` vs the kernel's int8 form (``small_linear_i8``) vs the float32 kernel, warm
-  and after a sweep of memory.
+  and after a sweep of memory; with bfloat16 activations too where the kernel takes them (15o).
+
+``--against REV`` compares two versions of the kernel's source, the working tree's and REV's (15o):
+each runs the sections in a process of its own (``--kernel-source``), the two alternated
+``--rounds`` times, and the medians over rounds are reported side by side with their ratio; the
+in-process rows that do not use the kernel (MKL, oneDNN, ATen's int8) are the control for a host
+that drifts between processes.
 
     PYTHONPATH=src python benchmarks/few_row_linear.py --threads 2 --out benchmarks/results/few-row-linear-spr.json
+    PYTHONPATH=src python benchmarks/few_row_linear.py --sections gemm int8 --dtypes float32 bfloat16 \
+        --against HEAD --rounds 4 --out runs/kernel-ab.json
 """
 
 from __future__ import annotations
@@ -41,9 +49,11 @@ H, INTER, KV, VOCAB, LAYERS = 576, 1536, 192, 49152, 30  # SmolLM2-135M
 _ROUTED = False
 
 
-def build() -> None:
+def build(source: Path | None = None) -> None:
     from draftsmith.models import cpu_linear
 
+    if source is not None:  # another version of the kernel (--kernel-source)
+        cpu_linear._SOURCE = source
     if not cpu_linear.available():
         raise SystemExit("the kernel could not be built here (see the warning above)")
     torch.library.register_fake("draftsmith::small_linear")(lambda x, w, b: x.new_empty((*x.shape[:-1], w.shape[0])))
@@ -109,6 +119,12 @@ def int8_section(rows: list[int], repeats: int, vocab: int = 8192) -> dict:
         "kernel-int8": lambda xs: [torch.ops.draftsmith.small_linear_i8(x, q, s, None) for x, q, s in zip(xs, q8, scales)],
         "kernel-fp32": lambda xs: [torch.ops.draftsmith.small_linear(x, w, None) for x, w in zip(xs, w32)],
     }
+    try:  # the int8 form with a bfloat16 model's activations (W8A16; since 15o)
+        torch.ops.draftsmith.small_linear_i8(torch.zeros(1, H, dtype=torch.bfloat16), q8[3], scales[3], None)
+        fns["kernel-int8-bf16x"] = lambda xs: [torch.ops.draftsmith.small_linear_i8(x.to(torch.bfloat16), q, s, None)
+                                               for x, q, s in zip(xs, q8, scales)]
+    except RuntimeError:  # an older kernel (--against)
+        pass
     seen: dict = {}
     names = list(fns)
     for rep in range(repeats + 1):
@@ -223,12 +239,21 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32"],
                     help="the gemm section's weight and activation dtypes (bfloat16: the kernel's bfloat16 form, "
                          "BENCHMARKS.md 15n)")
+    ap.add_argument("--kernel-source", type=Path, default=None,
+                    help="measure this cpu_linear.cpp (with the cpu_vec.h beside it) instead of the package's")
+    ap.add_argument("--against", metavar="REV", default=None,
+                    help="compare the working tree's kernel with REV's (a git revision), each in processes of its "
+                         "own, alternated --rounds times")
+    ap.add_argument("--rounds", type=int, default=3, help="with --against: processes per version")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if args.against:
+        return against(args)
     torch.set_num_threads(args.threads)
-    build()
+    build(args.kernel_source)
     out: dict = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
-                 "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+                 "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                 "kernel_source": str(args.kernel_source or "package")}
     try:
         with open("/proc/cpuinfo") as f:
             out["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
@@ -246,6 +271,58 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=1))
     sys.exit(0)
+
+
+def against(args) -> None:
+    """The sections for REV's kernel and the working tree's, each version in ``--rounds`` processes of its
+    own (alternated, the order swapped each round); medians over rounds side by side."""
+    import subprocess
+    import tempfile
+
+    if "steps" in args.sections:
+        raise SystemExit("--against times the gemm and int8 sections (the steps section compiles per process)")
+    root = Path(__file__).resolve().parents[1]
+    here = root / "src/draftsmith/models"
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "base"
+        base.mkdir()
+        for name in ("cpu_linear.cpp", "cpu_vec.h"):
+            got = subprocess.run(["git", "-C", str(root), "show", f"{args.against}:src/draftsmith/models/{name}"],
+                                 capture_output=True, text=True)
+            if got.returncode:
+                raise SystemExit(f"--against {args.against}: {got.stderr.strip()}")
+            (base / name).write_text(got.stdout)
+        versions = {args.against: base / "cpu_linear.cpp", "working tree": here / "cpu_linear.cpp"}
+        runs: dict = {v: [] for v in versions}
+        for rnd in range(args.rounds):
+            order = list(versions) if rnd % 2 == 0 else list(versions)[::-1]
+            for v in order:
+                out = Path(tmp) / f"r{rnd}.json"
+                cmd = [sys.executable, __file__, "--sections", *args.sections, "--threads", str(args.threads),
+                       "--rows", *map(str, args.rows), "--repeats", str(args.repeats), "--dtypes", *args.dtypes,
+                       "--kernel-source", str(versions[v]), "--out", str(out)]
+                print(f"[against] round {rnd + 1}/{args.rounds}: {v}", flush=True)
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                runs[v].append(json.loads(out.read_text()))
+    table: dict = {}
+    for v, reps in runs.items():
+        for section in reps[0]:
+            if not isinstance(reps[0][section], dict) or "ms" not in reps[0][section]:
+                continue
+            for fn, per in reps[0][section]["ms"].items():
+                for m in per:
+                    vals = [r[section]["ms"][fn][m] for r in reps if fn in r[section]["ms"]]
+                    table.setdefault(f"{section} {fn}", {}).setdefault(m, {})[v] = statistics.median(vals)
+    base_v, new_v = list(versions)
+    print(f"\nmedian over {args.rounds} processes each, ms: {base_v} -> working tree (ratio)")
+    for key, per in table.items():
+        cells = [f"{m} rows {d[base_v]:.2f} -> {d[new_v]:.2f} ({d[new_v] / d[base_v]:.2f}x)" if base_v in d
+                 else f"{m} rows {d[new_v]:.2f} (the working tree's only)" for m, d in per.items()]
+        print(f"  {key:28s} " + "  ".join(cells))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"against": args.against, "rounds": args.rounds, "median_ms": table,
+                                        "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":

@@ -5,18 +5,20 @@
 // little arithmetic per weight. MKL's and oneDNN's GEMMs are made for many rows: on the AMD EPYC
 // of BENCHMARKS.md (15g) the 211 GEMMs of a SmolLM2-135M step took 47 ms through MKL and 29 ms
 // through oneDNN at one row, 21 ms here. The kernel streams W from memory once whatever m is:
-// output rows in blocks of 8 (eight sequential streams of W per thread, prefetched ahead), each
-// block multiplied with every row of x (x stays in L1) in tiles of 2 rows (a block's W is still
-// in L1/L2 for the next tile), 16 accumulators of 16 lanes, summed across lanes by one
-// transpose-and-add tree. W stays as the model holds it ([N, K], row-major): no packed copy.
+// output rows in blocks of 8 (eight sequential streams of W per thread, the next block prefetched
+// while one is read), each block multiplied with every row of x (x stays in L1) in tiles of 2 rows
+// (a block's W is still in L1/L2 for the next tile), 16 accumulators of 16 lanes, summed across
+// lanes by one transpose-and-add tree. W stays as the model holds it ([N, K], row-major): no packed copy.
 // (Written first for the SPR's compiled verify steps, where it lost to inductor's GEMM template:
 // BENCHMARKS.md 9t; the eager steps use it since 15g.)
 //
-// `rms_norm` (an EAGLE-3 draft's RMSNorm in that layout) is one call instead of ATen's ~6 for a row.
+// `rms_norm` (an EAGLE-3 draft's RMSNorm in that layout, float32 or bfloat16) is one call instead of
+// ATen's ~6 for a row.
 //
 // The same loop reads int8 weights (one float32 scale per output row; `small_linear_i8`, the int8
 // draft of `--draft-precision int8`): 16 weights are widened to floats in registers, so a step
-// reads a quarter of the bytes and the activations stay float32 (W8A32).
+// reads a quarter of the bytes and the sums are float32 (W8A32; with a bfloat16 model's activations
+// widened once and the result rounded to bfloat16, W8A16).
 //
 // And bfloat16 weights and activations (a model loaded with `--dtype bfloat16`): W widened to float32 in
 // registers (exact: a shift), x widened once per call, the sums in float32, y rounded to bfloat16 to
@@ -46,8 +48,6 @@ namespace {
 constexpr int64_t kRowBlock = 8;
 constexpr int64_t kTile = 2;
 static_assert(kRowBlock * kTile == 16, "one hsum16 per block and tile");
-// Bytes ahead of each W stream prefetched into L2 (none: a verify of 2 rows 1.25x one row, 512: 1.05-1.11x).
-constexpr int64_t kPrefetch = 512;
 
 typedef int8_t v16c __attribute__((vector_size(16)));
 
@@ -121,6 +121,9 @@ inline v16f load_tail(const W* p, int64_t n) {
 template <int T, typename W>
 inline void block_tile(const float* const* xr, int stored, const W* w, int64_t K, int64_t R, const float* scale,
                        const float* bias, float* y, int64_t ldy) {
+  // each stream prefetches the same offset of the next block of rows (the block this thread most
+  // likely multiplies next): the whole next block arrives while this one is read
+  const int64_t ahead = kRowBlock * K * static_cast<int64_t>(sizeof(W));
   const W* wr[kRowBlock];
   for (int64_t r = 0; r < kRowBlock; ++r) wr[r] = w + std::min(r, R - 1) * K;
   v16f acc[16];
@@ -129,7 +132,7 @@ inline void block_tile(const float* const* xr, int stored, const W* w, int64_t K
   for (int64_t k = 0; k < K16; k += 16) {
     v16f wv[kRowBlock];
     for (int r = 0; r < kRowBlock; ++r) {
-      __builtin_prefetch(reinterpret_cast<const char*>(wr[r] + k) + kPrefetch, 0, 2);
+      __builtin_prefetch(reinterpret_cast<const char*>(wr[r] + k) + ahead, 0, 2);
       wv[r] = loadw(wr[r] + k);
     }
     for (int t = 0; t < T; ++t) {
@@ -182,24 +185,58 @@ void linear_rows(const float* xp, int64_t m, int64_t K, const W* wp, int64_t N, 
   });
 }
 
-// x [..., K] as a contiguous [m, K] of `dtype` (float32, or bfloat16 for bfloat16 w), after the checks
-// every entry point shares.
+// x [..., K] as a contiguous [m, K] of `dtype` (float32, or bfloat16), after the checks every entry
+// point shares.
 at::Tensor rows_of(const char* op, const at::Tensor& x, const at::Tensor& w, at::ScalarType dtype = at::kFloat) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == dtype, op, dtype == at::kFloat ? ": float32 x" : ": bfloat16 x for bfloat16 w");
+  TORCH_CHECK(x.scalar_type() == dtype, op, ": ", dtype == at::kFloat ? "float32" : "bfloat16", " x expected, got ",
+              x.scalar_type());
   TORCH_CHECK(x.dim() >= 1 && w.dim() == 2 && x.size(-1) == w.size(1),
               op, ": x [..., K] and w [N, K] expected, got ", x.sizes(), " and ", w.sizes());
   return x.reshape({-1, w.size(1)}).contiguous();
 }
 
-// A float32 [N] vector (a bias or a scale), contiguous, or undefined when absent.
-at::Tensor per_row(const char* op, const char* what, const c10::optional<at::Tensor>& v, int64_t N) {
+// A float32 [N] vector (a bias or a scale), contiguous, or undefined when absent; a bfloat16 one (the
+// bias of a bfloat16 model's layer, where `bf16_ok`) is widened to float32.
+at::Tensor per_row(const char* op, const char* what, const c10::optional<at::Tensor>& v, int64_t N,
+                   bool bf16_ok = false) {
   if (!v.has_value() || !v->defined()) return at::Tensor();
-  TORCH_CHECK(v->dim() == 1 && v->size(0) == N && v->scalar_type() == at::kFloat && v->device().is_cpu(),
-              op, ": ", what, " [N] float32 expected");
-  return v->contiguous();
+  const auto t = v->scalar_type();
+  TORCH_CHECK(v->dim() == 1 && v->size(0) == N && v->device().is_cpu() &&
+              (t == at::kFloat || (bf16_ok && t == at::kBFloat16)),
+              op, ": ", what, bf16_ok ? " [N] float32 or bfloat16 expected" : " [N] float32 expected");
+  return v->to(at::kFloat).contiguous();
 }
 
+// A contiguous [m, n] bfloat16 tensor as float32 (exact: each value's bits shifted into a float's
+// upper half).
+at::Tensor widened(const at::Tensor& xb) {
+  at::Tensor xf = at::empty(xb.sizes(), xb.options().dtype(at::kFloat));
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  float* xd = xf.data_ptr<float>();
+  for (int64_t i = 0; i < xb.numel(); ++i) xd[i] = bf16_to_float(xs[i]);
+  return xf;
+}
+
+// A float32 tensor rounded to bfloat16 to nearest even, as ATen rounds.
+at::Tensor rounded(const at::Tensor& y) {
+  const at::Tensor yc = y.contiguous();
+  at::Tensor out = at::empty(yc.sizes(), yc.options().dtype(at::kBFloat16));
+  const float* yp = yc.data_ptr<float>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  for (int64_t i = 0; i < yc.numel(); ++i) op[i] = at::BFloat16(yp[i]);
+  return out;
+}
+
+// W's elements as the kernel reads them (bfloat16 as its bits).
+template <typename W>
+const W* weights(const at::Tensor& wc) { return wc.data_ptr<W>(); }
+template <>
+const uint16_t* weights<uint16_t>(const at::Tensor& wc) {
+  return reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+}
+
+// y [..., N] (float32) of x's shape, for the float32 rows xc [m, K].
 template <typename W>
 at::Tensor run(const at::Tensor& x, const at::Tensor& xc, const at::Tensor& w, const at::Tensor& sc,
                const at::Tensor& bc) {
@@ -209,15 +246,14 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& xc, const at::Tensor& w, c
   shape.back() = N;
   at::Tensor y = at::empty({m, N}, xc.options());
   if (m == 0 || N == 0) return y.view(shape);
-  linear_rows<W>(xc.data_ptr<float>(), m, K, wc.data_ptr<W>(), N, sc.defined() ? sc.data_ptr<float>() : nullptr,
+  linear_rows<W>(xc.data_ptr<float>(), m, K, weights<W>(wc), N, sc.defined() ? sc.data_ptr<float>() : nullptr,
                  bc.defined() ? bc.data_ptr<float>() : nullptr, y.data_ptr<float>());
   return y.view(shape);
 }
 
-// y[r] = w * (x[r] * 1 / sqrt(mean(x[r]^2) + eps)) for one row of H floats; the squares summed in 16
-// lanes (element k in lane k mod 16), then the lanes in order, so a row's result does not depend on
-// the other rows.
-void rms_norm_row(const float* x, const float* w, int64_t H, float eps, float* y) {
+// 1 / sqrt(mean(x^2) + eps) of one row of H floats; the squares summed in 16 lanes (element k in lane
+// k mod 16), then the lanes in order, so a row's result does not depend on the other rows.
+float inv_rms(const float* x, int64_t H, float eps) {
   v16f acc{};
   const int64_t H16 = H - H % 16;
   for (int64_t k = 0; k < H16; k += 16) {
@@ -230,71 +266,64 @@ void rms_norm_row(const float* x, const float* w, int64_t H, float eps, float* y
   }
   float ss = 0.f;
   for (int j = 0; j < 16; ++j) ss += acc[j];
-  const float r = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
-  for (int64_t k = 0; k < H; ++k) y[k] = w[k] * (x[k] * r);
+  return 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
 }
 
 }  // namespace
 
+// float32 x and w: y = w * (x * r). bfloat16 x and w (a bfloat16 draft's norm, computed in float32 as
+// eagle3.RMSNorm does): y = bf16(w * bf16(x * r)), the module's two roundings.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "rms_norm: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "rms_norm: float32 x and w");
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((x.scalar_type() == at::kFloat || bf) && w.scalar_type() == x.scalar_type(),
+              "rms_norm: float32 x and w, or bfloat16 x and w");
   TORCH_CHECK(x.dim() >= 1 && w.dim() == 1 && x.size(-1) == w.size(0),
               "rms_norm: x [..., H] and w [H] expected, got ", x.sizes(), " and ", w.sizes());
   const int64_t H = w.size(0);
   const at::Tensor xc = x.reshape({-1, H}).contiguous();
-  const at::Tensor wc = w.contiguous();
-  at::Tensor y = at::empty_like(xc);
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = wc.data_ptr<float>();
+  const at::Tensor xf = bf ? widened(xc) : xc;
+  const at::Tensor wf = bf ? widened(w.contiguous()) : w.contiguous();
+  at::Tensor y = at::empty_like(xf);
+  const float* xp = xf.data_ptr<float>();
+  const float* wp = wf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for (int64_t r = 0; r < xc.size(0); ++r) rms_norm_row(xp + r * H, wp, H, static_cast<float>(eps), yp + r * H);
-  return y.view(x.sizes());
-}
-
-// small_linear for bfloat16 x, w (and b): x widened once, W in registers, y rounded to bfloat16.
-at::Tensor small_linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) {
-  const at::Tensor xb = rows_of("small_linear", x, w, at::kBFloat16);
-  const at::Tensor wc = w.contiguous();
-  const int64_t m = xb.size(0), K = xb.size(1), N = wc.size(0);
-  at::Tensor bf;
-  if (b.has_value() && b->defined()) {
-    TORCH_CHECK(b->dim() == 1 && b->size(0) == N && b->device().is_cpu() &&
-                (b->scalar_type() == at::kBFloat16 || b->scalar_type() == at::kFloat),
-                "small_linear: b [N] bfloat16 or float32 expected");
-    bf = b->to(at::kFloat).contiguous();
+  const auto as_bf16 = [](float v) { return static_cast<float>(at::BFloat16(v)); };
+  for (int64_t r = 0; r < xf.size(0); ++r) {
+    const float* xr = xp + r * H;
+    float* yr = yp + r * H;
+    const float s = inv_rms(xr, H, static_cast<float>(eps));
+    if (bf)
+      for (int64_t k = 0; k < H; ++k) yr[k] = wp[k] * as_bf16(xr[k] * s);
+    else
+      for (int64_t k = 0; k < H; ++k) yr[k] = wp[k] * (xr[k] * s);
   }
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  at::Tensor out = at::empty({m, N}, xb.options());
-  if (m == 0 || N == 0) return out.view(shape);
-  at::Tensor xf = at::empty({m, K}, xb.options().dtype(at::kFloat));
-  const uint16_t* xs = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
-  float* xd = xf.data_ptr<float>();
-  for (int64_t i = 0; i < m * K; ++i) xd[i] = bf16_to_float(xs[i]);
-  at::Tensor y = at::empty({m, N}, xf.options());
-  linear_rows<uint16_t>(xd, m, K, reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()), N, nullptr,
-                        bf.defined() ? bf.data_ptr<float>() : nullptr, y.data_ptr<float>());
-  const float* yp = y.data_ptr<float>();
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  for (int64_t i = 0; i < m * N; ++i) op[i] = at::BFloat16(yp[i]);  // round to nearest even, as ATen does
-  return out.view(shape);
+  return (bf ? rounded(y) : y).view(x.sizes());
 }
 
+// float32 x and w; or bfloat16 x and w (x widened once, W in registers, the sums in float32, y rounded
+// to bfloat16). The bias may be float32 or, with bfloat16 w, bfloat16.
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) {
-  if (w.scalar_type() == at::kBFloat16) return small_linear_bf16(x, w, b);
-  const at::Tensor xc = rows_of("small_linear", x, w);
-  TORCH_CHECK(w.scalar_type() == at::kFloat, "small_linear: float32 or bfloat16 w");
-  return run<float>(x, xc, w, at::Tensor(), per_row("small_linear", "b", b, w.size(0)));
+  const bool bf = w.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf || w.scalar_type() == at::kFloat, "small_linear: float32 or bfloat16 w");
+  const at::Tensor xc = rows_of("small_linear", x, w, bf ? at::kBFloat16 : at::kFloat);
+  const at::Tensor bc = per_row("small_linear", "b", b, w.size(0), bf);
+  if (bf) return rounded(run<uint16_t>(x, widened(xc), w, at::Tensor(), bc));
+  return run<float>(x, xc, w, at::Tensor(), bc);
 }
 
+// int8 w with float32 scales; float32 x (W8A32), or bfloat16 x (W8A16: x widened once, y rounded to
+// bfloat16, the bias float32 or bfloat16).
 at::Tensor small_linear_i8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                            const c10::optional<at::Tensor>& b) {
-  const at::Tensor xc = rows_of("small_linear_i8", x, w);
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  const at::Tensor xc = rows_of("small_linear_i8", x, w, bf ? at::kBFloat16 : at::kFloat);
   TORCH_CHECK(w.scalar_type() == at::kChar, "small_linear_i8: int8 w");
   const at::Tensor sc = per_row("small_linear_i8", "scale", scale, w.size(0));
   TORCH_CHECK(sc.defined(), "small_linear_i8: a scale is needed");
-  return run<int8_t>(x, xc, w, sc, per_row("small_linear_i8", "b", b, w.size(0)));
+  const at::Tensor bc = per_row("small_linear_i8", "b", b, w.size(0), bf);
+  if (bf) return rounded(run<int8_t>(x, widened(xc), w, sc, bc));
+  return run<int8_t>(x, xc, w, sc, bc);
 }
 
 TORCH_LIBRARY_FRAGMENT(draftsmith, lib) {  // a fragment: other sources and Python register draftsmith:: ops too

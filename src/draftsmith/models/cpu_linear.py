@@ -68,13 +68,15 @@ def small_linear_i8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """``(x @ qweight.T) * scale + bias`` for float32 ``x [..., K]``, int8 ``qweight [N, K]`` and float32
     ``scale [N]``, ``bias [N]`` (CPU): the int8 weights widened to float32 in registers, the sums in
-    float32 (W8A32), rows batch-invariant as in :func:`small_linear`. :func:`available` must have
-    returned True."""
+    float32 (W8A32), rows batch-invariant as in :func:`small_linear`. A bfloat16 ``x`` (and ``bias``)
+    is widened once and the result rounded to bfloat16 (W8A16). :func:`available` must have returned
+    True."""
     return torch.ops.draftsmith.small_linear_i8(x, qweight, scale, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x / sqrt(mean(x^2, -1) + eps))`` for float32 CPU ``x [..., H]``, ``weight [H]``, in one
     call (an EAGLE-3 draft's :class:`~draftsmith.models.eagle3.RMSNorm` in the cpp layout): equal to
-    ``F.rms_norm`` within float32 rounding, each row independent of the others."""
+    ``F.rms_norm`` within float32 rounding, each row independent of the others. For bfloat16 ``x`` and
+    ``weight``, computed in float32 and rounded as the module rounds: ``bf16(weight * bf16(x / rms))``."""
     return torch.ops.draftsmith.rms_norm(x, weight, eps)

@@ -355,28 +355,32 @@ class CppLinear(torch.nn.Linear):
 
 class CppInt8WeightLinear(Int8WeightLinear):
     """An int8 draft layer (:class:`~draftsmith.models.quantize.Int8WeightLinear`) whose products of
-    up to :data:`~draftsmith.models.cpu_linear.MAX_ROWS` float32 rows run through the few-row kernel's
-    int8 form (``small_linear_i8``: the weights widened to float32 in registers, float32 activations
-    and scales, W8A32) instead of ATen's ``_weight_int8pack_mm`` (bfloat16 activations); longer
-    inputs (a prefill) multiply by the dequantized float32 weight, the same function up to float32
-    rounding. Compiled graphs keep ATen's kernel."""
+    up to :data:`~draftsmith.models.cpu_linear.MAX_ROWS` rows run through the few-row kernel's int8
+    form (``small_linear_i8``: the weights widened to float32 in registers, float32 scales and sums;
+    float32 activations, W8A32, or a bfloat16 model's, widened once with the result rounded to
+    bfloat16, W8A16) instead of ATen's ``_weight_int8pack_mm``. Longer float32 inputs (a prefill)
+    multiply by the dequantized float32 weight, the same function up to float32 rounding; longer
+    bfloat16 ones and compiled graphs keep ATen's kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype is not torch.float32 or torch.compiler.is_compiling():
+        if x.dtype not in _CPP_DTYPES or torch.compiler.is_compiling():
             return super().forward(x)
         if 0 < x.numel() <= _CPP_MAX_ROWS * self.in_features:
             return torch.ops.draftsmith.small_linear_i8(x, self.qweight, self.scale32, self.bias)
+        if x.dtype is not torch.float32:
+            return super().forward(x)
         return torch.nn.functional.linear(x, self.qweight.float() * self.scale32[:, None], self.bias)
 
 
 class CppRMSNorm(RMSNorm):
     """An EAGLE-3 draft's :class:`~draftsmith.models.eagle3.RMSNorm` as one call of the cpp layout's
-    ``draftsmith::rms_norm`` (float32 on the CPU, outside autograd and compiled graphs; equal to the
-    module's ``F.rms_norm`` within float32 rounding): ~3 us for a row against ~15 for the module's four
-    ops, and a draft step has four of them."""
+    ``draftsmith::rms_norm`` (float32, or bfloat16 x and weight, on the CPU, outside autograd and
+    compiled graphs; equal to the module's ``F.rms_norm`` within float32 rounding, in bfloat16 with the
+    module's two roundings): ~3 us for a row against ~15-23 for the module's four ops, and a draft step
+    has four of them."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.dtype is torch.float32 and self.weight.dtype is torch.float32 and x.device.type == "cpu"
+        if (x.dtype in _CPP_DTYPES and self.weight.dtype is x.dtype and x.device.type == "cpu"
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
                 and not torch.compiler.is_compiling()):
             return torch.ops.draftsmith.rms_norm(x, self.weight, self.eps)
@@ -419,7 +423,7 @@ def linears_cpp(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
                     mods.append(mod)
             elif type(mod) is Int8WeightLinear:  # an int8 draft's layers (--draft-precision int8)
                 mods.append(mod)
-            elif type(mod) is RMSNorm and mod.weight.dtype is torch.float32 and mod.weight.device.type == "cpu":
+            elif type(mod) is RMSNorm and mod.weight.dtype in _CPP_DTYPES and mod.weight.device.type == "cpu":
                 mods.append(mod)  # an EAGLE-3 draft's norms
     if mods:
         from draftsmith.models import cpu_linear
