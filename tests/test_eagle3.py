@@ -160,9 +160,11 @@ def test_bfloat16_speculative_output_is_plain_bfloat16_output_exactly_in_the_cpp
     """In bfloat16 a verify step's rows round differently from one-token steps' in ATen's kernels (the
     bench calls the divergences ties); inside --weight-layout cpp every Linear and the eager attention
     compute a row the same whatever the rows beside it, so speculative output is plain bfloat16
-    output token for token, with an EAGLE-3 draft and a draft model at k = 1 and 4; the layout's
-    kernel is in use, in bfloat16 (its calls counted)."""
+    output token for token, with an EAGLE-3 draft (as loaded and at int8, whose layers take the
+    kernel's int8 form with bfloat16 activations) and a draft model at k = 1 and 4; the layout's
+    kernels are in use, in bfloat16 (their calls counted)."""
     from draftsmith.models import cpu_attention, cpu_linear
+    from draftsmith.models.quantize import quantize_draft
     from draftsmith.models.verifier import weight_layouts
 
     if not (cpu_linear.available() and cpu_attention.available()):
@@ -170,19 +172,23 @@ def test_bfloat16_speculative_output_is_plain_bfloat16_output_exactly_in_the_cpp
     verifier = copy.deepcopy(tiny_model(arch)).to(torch.bfloat16)  # the cached one stays float32
     d = _draft(verifier, vd=64).to(torch.bfloat16)
     d.config.aux_layer_ids = [0, 1, 2]
-    real, calls = torch.ops.draftsmith.small_linear, []
-    monkeypatch.setattr(torch.ops.draftsmith, "small_linear", lambda *a: calls.append(a[0].dtype) or real(*a))
-    with weight_layouts([verifier, d], "cpp"):
+    d8 = quantize_draft(d, "int8")
+    calls: dict[str, list] = {"small_linear": [], "small_linear_i8": [], "rms_norm": []}
+    for op, seen in calls.items():
+        real = getattr(torch.ops.draftsmith, op)
+        monkeypatch.setattr(torch.ops.draftsmith, op, lambda *a, real=real, seen=seen: seen.append(a[0].dtype) or real(*a))
+    with weight_layouts([verifier, d, d8], "cpp"):
         for seed in range(2):
             prompt = torch.randint(2, 128, (10,), generator=torch.Generator().manual_seed(seed)).tolist()
             plain = generate(verifier, prompt, max_new_tokens=30, eos_token_id=[]).token_ids
-            assert calls and set(calls) == {torch.bfloat16}
-            for prop in (Eagle3Proposer(d), DraftModelProposer(verifier)):
+            assert calls["small_linear"] and set(calls["small_linear"]) == {torch.bfloat16}
+            for prop in (Eagle3Proposer(d), Eagle3Proposer(d8), DraftModelProposer(verifier)):
                 for k in (1, 4):
                     out = generate(verifier, prompt, proposer=prop, max_new_tokens=30, num_draft_tokens=k,
                                    eos_token_id=[])
                     assert out.token_ids == plain, (type(prop).__name__, k, seed)
                     assert out.stats["drafts"] > 0
+    assert set(calls["small_linear_i8"]) == {torch.bfloat16} and set(calls["rms_norm"]) == {torch.bfloat16}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "llama-hd64"])

@@ -141,8 +141,9 @@ def int8_weight_only_usable(linear: torch.nn.Linear) -> bool:
 #: ``--draft-precision`` name -> one line for reports and ``--help``.
 DRAFT_PRECISIONS: dict[str, str] = {
     "as-loaded": "the draft in the verifier's dtype (what the export holds)",
-    "int8": "the draft layer's and head's weights int8 per channel, bfloat16 activations (W8A16), CPU; "
-            "proposals change by rounding, output stays lossless",
+    "int8": "the draft layer's and head's weights int8 per channel, CPU: bfloat16 activations through ATen's "
+            "kernel (W8A16), or in the cpp layout the few-row kernel's int8 form (float32 sums, activations in "
+            "the model's dtype); proposals change by rounding, output stays lossless",
 }
 
 
