@@ -104,9 +104,10 @@ def gemm_section(rows: list[int], repeats: int, dtype: torch.dtype = torch.float
 def int8_section(rows: list[int], repeats: int, vocab: int = 8192) -> dict:
     """The 8 GEMMs of an EAGLE-3 draft step (SmolLM2-135M shapes, draft vocabulary ``vocab``) with int8
     weights: ATen's ``_weight_int8pack_mm`` (bfloat16 activations, the int8 draft in the other layouts)
-    against the kernel's int8 form ``small_linear_i8`` (float32 activations, the cpp layout's) and the
-    float32 kernel on the same shapes; warm (the weights just read) and cold (after a 128 MB sweep,
-    as a draft step after a verifier step finds them)."""
+    against the kernel's int8 form ``small_linear_i8`` (float32 activations, the cpp layout's; and,
+    where the kernel takes them, bfloat16 ones: ``kernel-int8-bf16x``) and the float32 kernel on the
+    same shapes; warm (the weights just read) and cold (after a 128 MB sweep, as a draft step after a
+    verifier step finds them)."""
     g = torch.Generator().manual_seed(0)
     shapes = [(H, 2 * H), (KV, 2 * H), (KV, 2 * H), (H, H), (INTER, H), (INTER, H), (H, INTER), (vocab, H)]
     w32 = [torch.randn(n, k, generator=g) * 0.02 for n, k in shapes]
@@ -245,12 +246,17 @@ def main() -> None:
                     help="compare the working tree's kernel with REV's (a git revision), each in processes of its "
                          "own, alternated --rounds times")
     ap.add_argument("--rounds", type=int, default=3, help="with --against: processes per version")
+    ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)  # --against's first pass
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if args.against:
+        if args.kernel_source or args.rounds < 1:
+            ap.error("--against compares REV with the working tree: no --kernel-source, and --rounds >= 1")
         return against(args)
     torch.set_num_threads(args.threads)
     build(args.kernel_source)
+    if args.build_only:
+        return
     out: dict = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
                  "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                  "kernel_source": str(args.kernel_source or "package")}
@@ -293,11 +299,15 @@ def against(args) -> None:
                 raise SystemExit(f"--against {args.against}: {got.stderr.strip()}")
             (base / name).write_text(got.stdout)
         versions = {args.against: base / "cpu_linear.cpp", "working tree": here / "cpu_linear.cpp"}
+        for v, src in versions.items():  # each built before any round, so no round times beside a compiler
+            print(f"[against] building {v}'s kernel", flush=True)
+            subprocess.run([sys.executable, __file__, "--build-only", "--kernel-source", str(src)], check=True,
+                           stdout=subprocess.DEVNULL)
         runs: dict = {v: [] for v in versions}
         for rnd in range(args.rounds):
             order = list(versions) if rnd % 2 == 0 else list(versions)[::-1]
-            for v in order:
-                out = Path(tmp) / f"r{rnd}.json"
+            for i, v in enumerate(order):
+                out = Path(tmp) / f"r{rnd}-{i}.json"
                 cmd = [sys.executable, __file__, "--sections", *args.sections, "--threads", str(args.threads),
                        "--rows", *map(str, args.rows), "--repeats", str(args.repeats), "--dtypes", *args.dtypes,
                        "--kernel-source", str(versions[v]), "--out", str(out)]
@@ -316,9 +326,15 @@ def against(args) -> None:
     base_v, new_v = list(versions)
     print(f"\nmedian over {args.rounds} processes each, ms: {base_v} -> working tree (ratio)")
     for key, per in table.items():
-        cells = [f"{m} rows {d[base_v]:.2f} -> {d[new_v]:.2f} ({d[new_v] / d[base_v]:.2f}x)" if base_v in d
-                 else f"{m} rows {d[new_v]:.2f} (the working tree's only)" for m, d in per.items()]
+        cells = [f"{m} rows {d[base_v]:.2f} -> {d[new_v]:.2f} ({d[new_v] / d[base_v]:.2f}x)" if len(d) == 2
+                 else f"{m} rows {next(iter(d.values())):.2f} ({next(iter(d))}'s only)" for m, d in per.items()]
         print(f"  {key:28s} " + "  ".join(cells))
+    for v, reps in runs.items():  # what each version computed, not only how fast
+        checks = {section: (all(r[section]["rows_bitwise_invariant"] for r in reps),
+                            max(r[section]["max_abs_error_vs_float64"] for r in reps))
+                  for section in reps[0] if isinstance(reps[0][section], dict) and "rows_bitwise_invariant" in reps[0][section]}
+        print(f"  {v}: " + "; ".join(f"{sec} rows bitwise independent of the row count {inv}, max |err| vs "
+                                     f"float64 {err:.2e}" for sec, (inv, err) in checks.items()))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"against": args.against, "rounds": args.rounds, "median_ms": table,

@@ -122,7 +122,9 @@ template <int T, typename W>
 inline void block_tile(const float* const* xr, int stored, const W* w, int64_t K, int64_t R, const float* scale,
                        const float* bias, float* y, int64_t ldy) {
   // each stream prefetches the same offset of the next block of rows (the block this thread most
-  // likely multiplies next): the whole next block arrives while this one is read
+  // likely multiplies next): the whole next block arrives while this one is read (BENCHMARKS.md 15o,
+  // EPYC: a step's bfloat16 GEMMs 0.79x and an int8 draft step's cold 0.57x those with 512 bytes
+  // ahead in the same row, which for rows of 576-1152 bytes landed mostly in the block being read)
   const int64_t ahead = kRowBlock * K * static_cast<int64_t>(sizeof(W));
   const W* wr[kRowBlock];
   for (int64_t r = 0; r < kRowBlock; ++r) wr[r] = w + std::min(r, R - 1) * K;
@@ -282,23 +284,29 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
               "rms_norm: x [..., H] and w [H] expected, got ", x.sizes(), " and ", w.sizes());
   const int64_t H = w.size(0);
   const at::Tensor xc = x.reshape({-1, H}).contiguous();
-  const at::Tensor xf = bf ? widened(xc) : xc;
-  const at::Tensor wf = bf ? widened(w.contiguous()) : w.contiguous();
-  at::Tensor y = at::empty_like(xf);
-  const float* xp = xf.data_ptr<float>();
-  const float* wp = wf.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const auto as_bf16 = [](float v) { return static_cast<float>(at::BFloat16(v)); };
-  for (int64_t r = 0; r < xf.size(0); ++r) {
-    const float* xr = xp + r * H;
-    float* yr = yp + r * H;
-    const float s = inv_rms(xr, H, static_cast<float>(eps));
-    if (bf)
-      for (int64_t k = 0; k < H; ++k) yr[k] = wp[k] * as_bf16(xr[k] * s);
-    else
-      for (int64_t k = 0; k < H; ++k) yr[k] = wp[k] * (xr[k] * s);
+  const at::Tensor wc = w.contiguous();
+  if (!bf) {
+    at::Tensor y = at::empty_like(xc);
+    const float* xp = xc.data_ptr<float>();
+    const float* wp = wc.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    for (int64_t r = 0; r < xc.size(0); ++r) {
+      const float s = inv_rms(xp + r * H, H, static_cast<float>(eps));
+      for (int64_t k = 0; k < H; ++k) yp[r * H + k] = wp[k] * (xp[r * H + k] * s);
+    }
+    return y.view(x.sizes());
   }
-  return (bf ? rounded(y) : y).view(x.sizes());
+  const at::Tensor xf = widened(xc);  // the sum of squares reads floats
+  at::Tensor y = at::empty_like(xc);
+  const float* xp = xf.data_ptr<float>();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  for (int64_t r = 0; r < xc.size(0); ++r) {
+    const float s = inv_rms(xp + r * H, H, static_cast<float>(eps));
+    for (int64_t k = 0; k < H; ++k)
+      yp[r * H + k] = at::BFloat16(bf16_to_float(wp[k]) * static_cast<float>(at::BFloat16(xp[r * H + k] * s)));
+  }
+  return y.view(x.sizes());
 }
 
 // float32 x and w; or bfloat16 x and w (x widened once, W in registers, the sums in float32, y rounded
@@ -313,7 +321,7 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
 }
 
 // int8 w with float32 scales; float32 x (W8A32), or bfloat16 x (W8A16: x widened once, y rounded to
-// bfloat16, the bias float32 or bfloat16).
+// bfloat16). The bias may be float32 or bfloat16 either way (a bfloat16 draft's layer fed float32 rows).
 at::Tensor small_linear_i8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                            const c10::optional<at::Tensor>& b) {
   const bool bf = x.scalar_type() == at::kBFloat16;
@@ -321,7 +329,7 @@ at::Tensor small_linear_i8(const at::Tensor& x, const at::Tensor& w, const at::T
   TORCH_CHECK(w.scalar_type() == at::kChar, "small_linear_i8: int8 w");
   const at::Tensor sc = per_row("small_linear_i8", "scale", scale, w.size(0));
   TORCH_CHECK(sc.defined(), "small_linear_i8: a scale is needed");
-  const at::Tensor bc = per_row("small_linear_i8", "b", b, w.size(0), bf);
+  const at::Tensor bc = per_row("small_linear_i8", "b", b, w.size(0), /*bf16_ok=*/true);
   if (bf) return rounded(run<int8_t>(x, widened(xc), w, sc, bc));
   return run<int8_t>(x, xc, w, sc, bc);
 }
