@@ -211,7 +211,9 @@ at::Tensor per_row(const char* op, const char* what, const c10::optional<at::Ten
 }
 
 // A contiguous [m, n] bfloat16 tensor as float32 (exact: each value's bits shifted into a float's
-// upper half).
+// upper half). This and `rounded` are what ATen's `.to()` computes, written out because `.to()`'s
+// dispatch costs ~1 us more per call (measured: the int8 form 12-17 -> 14-18 us, the norm 3.6 -> 4.3 us), and
+// a bfloat16 draft step converts 20 times.
 at::Tensor widened(const at::Tensor& xb) {
   at::Tensor xf = at::empty(xb.sizes(), xb.options().dtype(at::kFloat));
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());

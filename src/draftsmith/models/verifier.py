@@ -363,13 +363,12 @@ class CppInt8WeightLinear(Int8WeightLinear):
     bfloat16 ones and compiled graphs keep ATen's kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype not in _CPP_DTYPES or torch.compiler.is_compiling():
-            return super().forward(x)
-        if 0 < x.numel() <= _CPP_MAX_ROWS * self.in_features:
-            return torch.ops.draftsmith.small_linear_i8(x, self.qweight, self.scale32, self.bias)
-        if x.dtype is not torch.float32:
-            return super().forward(x)
-        return torch.nn.functional.linear(x, self.qweight.float() * self.scale32[:, None], self.bias)
+        if x.dtype in _CPP_DTYPES and not torch.compiler.is_compiling():
+            if 0 < x.numel() <= _CPP_MAX_ROWS * self.in_features:
+                return torch.ops.draftsmith.small_linear_i8(x, self.qweight, self.scale32, self.bias)
+            if x.dtype is torch.float32:
+                return torch.nn.functional.linear(x, self.qweight.float() * self.scale32[:, None], self.bias)
+        return super().forward(x)
 
 
 class CppRMSNorm(RMSNorm):
