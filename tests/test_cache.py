@@ -169,7 +169,7 @@ def test_switched_linears_keep_lean_bitwise_transformers_and_are_put_back(arch, 
     its attention on SDPA; through the C++ attention kernel, which cpp also turns on, within rounding),
     the logits stay within rounding of the loaded ones, and the modules come back as loaded."""
     from draftsmith.models import cpu_linear
-    from draftsmith.models.verifier import CppLinear, OneDNNLinear, linears_cpp, linears_onednn, weight_layout
+    from draftsmith.models.verifier import CppLinear, CppNorm, OneDNNLinear, linears_cpp, linears_onednn, weight_layout
 
     if layout == "cpp" and not cpu_linear.available():
         pytest.skip("no C++ toolchain to build the kernel")
@@ -183,7 +183,10 @@ def test_switched_linears_keep_lean_bitwise_transformers_and_are_put_back(arch, 
     with torch.inference_mode():
         loaded = model(ids[None]).logits[0]
     with weight_layout(model, layout) as n:
-        assert n == len(linears) > 0 and all(type(m) is cls for m in linears)
+        # cpp: the norms too, on the kernel for transformers' forward as for the lean one (CppNorm)
+        norms = [m for m in model.modules() if isinstance(m, CppNorm)]
+        assert len(norms) == (5 if layout == "cpp" else 0)  # 2 layers x 2 + the final norm
+        assert n == len(linears) + len(norms) > 0 and all(type(m) is cls for m in linears)
         if layout == "cpp":
             from draftsmith.models.kv import eager_cpu_attention
 

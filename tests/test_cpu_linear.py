@@ -302,3 +302,43 @@ def test_cpp_layout_runs_a_drafts_norms_through_the_kernel_outside_autograd(monk
     with weight_layout(torch.nn.Sequential(norm), "cpp"), torch.inference_mode():
         assert type(norm) is CppRMSNorm
         assert torch.equal(norm(xb), real(xb, norm.weight, norm.eps)) and calls == [torch.bfloat16]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_cpp_layout_runs_a_verifiers_llama_style_norms_through_the_kernel(arch, monkeypatch):
+    """Inside ``--weight-layout cpp`` a transformers model's RMSNorms that compute Llama's (probed:
+    Llama's, Qwen3's per-head q/k norms) are one ``rms_norm`` call, within float32 rounding of their
+    own forward and used by the lean step (calls counted); Gemma's ``x * (1 + w)`` fails the probe and
+    keeps its own forward (the control); under autograd the module's own ops run; after the block the
+    classes are as loaded."""
+    from conftest import tiny_model
+
+    from draftsmith.models.lean import LeanDecoder
+    from draftsmith.models.verifier import CppNorm, _computes_llama_rms_norm, weight_layout
+
+    model = tiny_model(arch)
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    classes = [type(m) for m in norms]
+    expect = {"llama": 5, "qwen3": 9, "gemma3": 0}[arch]  # qwen3: + q_norm, k_norm per layer; gemma3: none
+    assert sum(_computes_llama_rms_norm(m) for m in norms) == expect
+    x = torch.randn(3, norms[0].weight.shape[0], generator=torch.Generator().manual_seed(0)) * 2
+    own = norms[0](x)
+    real, calls = torch.ops.draftsmith.rms_norm, []
+    monkeypatch.setattr(torch.ops.draftsmith, "rms_norm", lambda *a: calls.append(1) or real(*a))
+    with weight_layout(model, "cpp"):
+        switched = [m for m in norms if isinstance(m, CppNorm)]
+        assert len(switched) == expect
+        with torch.inference_mode():
+            if expect:
+                got = norms[0](x)
+                torch.testing.assert_close(got, own, atol=1e-6, rtol=1e-6)
+                assert torch.equal(got, real(x, norms[0].weight, float(norms[0].variance_epsilon)))
+            calls.clear()
+            dec = LeanDecoder(model)
+            dec.forward(torch.tensor([3, 4]), torch.arange(2), dec.new_cache(4), 1)
+            assert len(calls) == expect  # every switched norm once per step, no other
+        if expect:
+            xg = x.clone().requires_grad_()
+            norms[0](xg).sum().backward()  # autograd: the module's own ops
+            assert xg.grad is not None
+    assert [type(m) for m in norms] == classes

@@ -121,7 +121,7 @@ def test_greedy_equivalence_eagle3(arch, vd, precision):
             assert out.stats["drafts"] > 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3"])  # mistral, gemma3: sliding windows of 8
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])  # mistral, gemma3: windows of 8
 def test_greedy_equivalence_eagle3_in_the_cpp_layout(arch, monkeypatch):
     """Inside --weight-layout cpp (few-row Linear kernels, float32 and the int8 draft's; the eager steps'
     attention through the C++ kernel, windows included) speculative output still equals plain
@@ -155,7 +155,7 @@ def test_greedy_equivalence_eagle3_in_the_cpp_layout(arch, monkeypatch):
                 assert out.stats["drafts"] > 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
 def test_bfloat16_speculative_output_is_plain_bfloat16_output_exactly_in_the_cpp_layout(arch, monkeypatch):
     """In bfloat16 a verify step's rows round differently from one-token steps' in ATen's kernels (the
     bench calls the divergences ties); inside --weight-layout cpp every Linear and the eager attention

@@ -175,10 +175,12 @@ def norm_fn(module: torch.nn.Module | None) -> Callable | None:
     transformers' Llama-style RMSNorm is 8 Python-level ops; ``F.rms_norm`` runs the same
     ATen ops (on CPU) from one call. A norm that computes anything else (Gemma's
     ``1 + w``, a fused kernel that reduces in another order) fails the probe and keeps
-    its own ``forward``.
+    its own ``forward``, and so does a norm on the cpp layout's C++ kernel (``cpp_kernel``).
     """
     if module is None:
         return None
+    if getattr(module, "cpp_kernel", False):  # the cpp layout's one C++ call (models.verifier.CppNorm)
+        return module.forward
     w = getattr(module, "weight", None)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     if not isinstance(w, torch.Tensor) or w.dim() != 1 or not isinstance(eps, float):

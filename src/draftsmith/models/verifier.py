@@ -371,23 +371,63 @@ class CppInt8WeightLinear(Int8WeightLinear):
         return super().forward(x)
 
 
-class CppRMSNorm(RMSNorm):
-    """An EAGLE-3 draft's :class:`~draftsmith.models.eagle3.RMSNorm` as one call of the cpp layout's
-    ``draftsmith::rms_norm`` (float32, or bfloat16 x and weight, on the CPU, outside autograd and
-    compiled graphs; equal to the module's ``F.rms_norm`` within float32 rounding, in bfloat16 with the
-    module's two roundings): ~3 us for a row against ~15-23 for the module's four ops, and a draft step
-    has four of them."""
+class CppNorm:
+    """A Llama-style RMSNorm, ``weight * (x * rsqrt(mean(x^2) + eps))`` in float32 (in bfloat16 with the
+    module's two roundings), as one call of the cpp layout's ``draftsmith::rms_norm``: a mixin over the
+    norm's own class, which computes whatever the kernel does not take (another dtype, autograd, a
+    compiled graph, another device). One row costs ~4-5 us against ~15-17 for transformers'
+    ``LlamaRMSNorm`` (bfloat16: 8 ops) and ~11-14 for ``F.rms_norm``; a SmolLM2-135M step has 61 norms
+    (BENCHMARKS.md 15p). Equal to the module within float32 rounding (its sum of squares is added in
+    another order), rows independent of each other."""
+
+    cpp_kernel = True  # read by draftsmith.models.lean.norm_fn: keep this forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.dtype in _CPP_DTYPES and self.weight.dtype is x.dtype and x.device.type == "cpu"
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+        w = self.weight
+        if (x.dtype in _CPP_DTYPES and w.dtype is x.dtype and x.device.type == "cpu"
+                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
                 and not torch.compiler.is_compiling()):
-            return torch.ops.draftsmith.rms_norm(x, self.weight, self.eps)
-        return super().forward(x)
+            return torch.ops.draftsmith.rms_norm(x, w, _norm_eps(self))
+        return super().forward(x)  # type: ignore[misc]
+
+
+class CppRMSNorm(CppNorm, RMSNorm):
+    """An EAGLE-3 draft's :class:`~draftsmith.models.eagle3.RMSNorm` on the kernel (:class:`CppNorm`): a
+    draft step has four."""
+
+
+def _norm_eps(norm: torch.nn.Module) -> float:
+    """An RMSNorm's epsilon: ``eps`` (draftsmith's, many others) or ``variance_epsilon`` (transformers')."""
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 0.0)))
+
+
+@functools.lru_cache(maxsize=None)
+def _cpp_norm_class(cls: type) -> type:
+    """``cls`` with :class:`CppNorm`'s forward (one subclass per norm class)."""
+    return type(f"Cpp{cls.__name__}", (CppNorm, cls), {"__module__": __name__, "__doc__": CppNorm.__doc__})
+
+
+def _computes_llama_rms_norm(norm: torch.nn.Module) -> bool:
+    """Whether a model's RMSNorm module computes what ``draftsmith::rms_norm`` does: a 1-D float32 or
+    bfloat16 weight of the input's dtype on the CPU, an epsilon, and on random rows the module's own
+    output within two units in the last place of its largest value. Gemma's ``x * (1 + weight)``
+    (its weights near 0) and any other formula fail it and keep their own forward."""
+    w = getattr(norm, "weight", None)
+    if not (isinstance(w, torch.Tensor) and w.dim() == 1 and w.dtype in _CPP_DTYPES and w.device.type == "cpu"
+            and isinstance(getattr(norm, "variance_epsilon", getattr(norm, "eps", None)), float)):
+        return False
+    x = (torch.randn(4, w.shape[0], generator=torch.Generator().manual_seed(0)) * 3).to(w.dtype)
+    with torch.no_grad():
+        try:
+            ref = norm.forward(x).float()
+        except Exception:  # noqa: BLE001 - a norm that takes other inputs is not this one
+            return False
+        got = torch.ops.draftsmith.rms_norm(x, w, _norm_eps(norm)).float()
+    return ref.shape == got.shape and bool((ref - got).abs().max() <= 2 * torch.finfo(w.dtype).eps * ref.abs().max())
 
 
 @contextlib.contextmanager
-def linears_cpp(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
+def linears_cpp(model: torch.nn.Module, enabled: bool = True, norms: bool = True) -> Iterator[int]:
     """Multiply ``model``'s float32 or bfloat16 Linear layers with draftsmith's few-row C++ kernel while
     the block runs (decode and verify steps; a prefill stays on MKL's or oneDNN's GEMM); put them back
     after. In bfloat16 the kernel widens the weights in registers and sums in float32: a step reads
@@ -399,19 +439,22 @@ def linears_cpp(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
     does not depend on how many rows the step has. The module class is swapped in place
     (to :class:`CppLinear`), as :func:`linears_onednn` does; against MKL or oneDNN results differ
     by rounding, so a report states the layout it measured with. An int8 draft's layers
-    (``--draft-precision int8``) switch to :class:`CppInt8WeightLinear`, the kernel's int8 form, and an
-    EAGLE-3 draft's norms to :class:`CppRMSNorm` (one C++ call). The
+    (``--draft-precision int8``) switch to :class:`CppInt8WeightLinear`, the kernel's int8 form, and the
+    RMSNorms that compute Llama's (an EAGLE-3 draft's; a Llama, Mistral or Qwen verifier's, probed: not
+    Gemma's) to :class:`CppNorm` (one C++ call instead of 4-8 ATen ops). The
     block also has the lean engine's eager decode and verify steps attend through the C++ decode-attention
     kernel (:func:`draftsmith.models.kv.eager_cpu_attention`; transformers' forward keeps SDPA, so the
-    lean step is then transformers' within rounding, not bitwise). CPU only.
+    lean step is then transformers' within rounding, not bitwise). CPU only. ``norms=False`` leaves a
+    transformers model's norms as they are (the control of ``benchmarks/cpp_norms.py``).
 
     Yields:
-        The number of layers switched (0 when not ``enabled``, or no float32 / bfloat16 Linear or int8 layer).
+        The number of layers switched, norms included (0 when not ``enabled``, or no float32 / bfloat16
+        Linear or int8 layer).
 
     Raises:
         DraftsmithError: the model is not on the CPU, or the kernel cannot be built here.
     """
-    mods = []
+    mods, candidates = [], []
     if enabled:
         for mod in model.modules():
             if type(mod) is torch.nn.Linear and mod.weight.is_floating_point():
@@ -424,17 +467,20 @@ def linears_cpp(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
                 mods.append(mod)
             elif type(mod) is RMSNorm and mod.weight.dtype in _CPP_DTYPES and mod.weight.device.type == "cpu":
                 mods.append(mod)  # an EAGLE-3 draft's norms
+            elif norms and type(mod).__name__.endswith("RMSNorm") and not isinstance(mod, CppNorm):
+                candidates.append(mod)  # a transformers model's: switched if its probe passes (below)
     if mods:
         from draftsmith.models import cpu_linear
 
         if not cpu_linear.available():
             raise DraftsmithError("--weight-layout cpp: the C++ kernel could not be built here (a C++ compiler "
                                   "and ninja are needed; the warning above says why); use out-in or onednn")
+        mods += [m for m in candidates if _computes_llama_rms_norm(m)]
     from draftsmith.models.kv import eager_cpu_attention
 
-    with _linears_as(mods, {torch.nn.Linear: CppLinear, Int8WeightLinear: CppInt8WeightLinear,
-                            RMSNorm: CppRMSNorm}) as n, \
-            eager_cpu_attention(True) if n else contextlib.nullcontext():
+    classes = {torch.nn.Linear: CppLinear, Int8WeightLinear: CppInt8WeightLinear, RMSNorm: CppRMSNorm}
+    classes.update({type(m): _cpp_norm_class(type(m)) for m in mods if type(m) not in classes})
+    with _linears_as(mods, classes) as n, eager_cpu_attention(True) if n else contextlib.nullcontext():
         yield n
 
 
