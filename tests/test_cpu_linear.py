@@ -342,3 +342,60 @@ def test_cpp_layout_runs_a_verifiers_llama_style_norms_through_the_kernel(arch, 
             norms[0](xg).sum().backward()  # autograd: the module's own ops
             assert xg.grad is not None
     assert [type(m) for m in norms] == classes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
+def test_fused_layer_is_bitwise_the_loop_it_replaces(arch, dtype, monkeypatch):
+    """Inside ``--weight-layout cpp`` an eager step's pre-norm layers run as one ``llama_layer`` call each
+    (calls counted): logits, aux hidden states and the cache's keys and values are bitwise those of the
+    Python loop over the same kernels, for one-token and verify steps, across a sliding window's edge
+    (mistral: windows of 8), with Qwen2's biases and Qwen3's q/k norms; a prefill takes the loop.
+    Gemma 3's sandwich layers are not fused (the control: no call)."""
+    import copy
+
+    from conftest import tiny_model
+
+    from draftsmith.models.lean import LeanDecoder
+    from draftsmith.models.verifier import weight_layout
+
+    model = copy.deepcopy(tiny_model(arch)).to(dtype)
+    real, calls = torch.ops.draftsmith.llama_layer, []
+    monkeypatch.setattr(torch.ops.draftsmith, "llama_layer", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    with weight_layout(model, "cpp"), torch.inference_mode():
+        fused, loop = LeanDecoder(model), LeanDecoder(model)
+        assert (fused.fused is None) == (arch == "gemma3")
+        loop.fused = None
+        cf, cl = fused.new_cache(40), loop.new_cache(40)
+        ids = torch.randint(2, 100, (30,), generator=torch.Generator().manual_seed(1))
+        spans = [(0, 12), (12, 13), (13, 17), (17, 18), (18, 25), (25, 26), (26, 28)]
+        for s, e in spans:
+            a = fused.forward(ids[s:e], torch.arange(s, e), cf, None, (0, 1, 2))
+            b = loop.forward(ids[s:e], torch.arange(s, e), cl, None, (0, 1, 2))
+            cf.advance(e - s)
+            cl.advance(e - s)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (s, e)
+        for x, y in zip(cf.keys + cf.values, cl.keys + cl.values):
+            assert torch.equal(x[:, :, :28], y[:, :, :28])
+    layers = model.config.num_hidden_layers
+    assert calls == ([] if arch == "gemma3" else [e - s for s, e in spans[1:] for _ in range(layers)])
+
+
+def test_fused_layer_rejects_bad_input():
+    """Clear errors for what the op does not take."""
+    from draftsmith.models import cpu_attention
+
+    assert cpu_attention.available()  # the op attends through draftsmith::decode_attention
+    x = torch.randn(1, 8)
+    w = [torch.ones(8), *(torch.randn(8, 8) for _ in range(4)), torch.ones(8), *(torch.randn(8, 8) for _ in range(3))]
+    K = torch.zeros(1, 2, 4, 4)
+    args = (torch.ones(1, 4), torch.zeros(1, 4), K, K.clone(), torch.tensor([0]), 0, 0, 0.5, 1e-5, 0.0, 2, 2, 4, 256)
+    torch.ops.draftsmith.llama_layer(x, w, [None] * 7, *args)  # the control: accepted
+    with pytest.raises(RuntimeError, match="9 weights"):
+        torch.ops.draftsmith.llama_layer(x, w[:8], [None] * 7, *args)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 x"):
+        torch.ops.draftsmith.llama_layer(x.double(), w, [None] * 7, *args)
+    with pytest.raises(RuntimeError, match="weights of x's dtype"):
+        torch.ops.draftsmith.llama_layer(x.bfloat16(), w, [None] * 7, *args)
+    with pytest.raises(RuntimeError, match="inside the cache"):
+        torch.ops.draftsmith.llama_layer(x, w, [None] * 7, *args[:5], 4, *args[6:])

@@ -138,8 +138,10 @@ def test_greedy_equivalence_eagle3_in_the_cpp_layout(arch, monkeypatch):
     d = _draft(verifier, vd=64)
     d.config.aux_layer_ids = [0, 1, 2]
     drafts = [d, quantize_draft(d, "int8")]
-    real, calls = torch.ops.draftsmith.decode_attention, []
-    monkeypatch.setattr(torch.ops.draftsmith, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    calls = []  # the C++ attention, called from Python or inside the fused layer (llama_layer, not gemma3)
+    for op in ("decode_attention", "llama_layer"):
+        real = getattr(torch.ops.draftsmith, op)
+        monkeypatch.setattr(torch.ops.draftsmith, op, lambda *a, real=real: calls.append(1) or real(*a))
     prompt = torch.randint(2, 128, (10,), generator=torch.Generator().manual_seed(0)).tolist()
     loaded = generate(verifier, prompt, max_new_tokens=30, eos_token_id=[]).token_ids
     assert not calls  # outside the layout: SDPA

@@ -15,6 +15,12 @@
 // `rms_norm` (an EAGLE-3 draft's RMSNorm in that layout, float32 or bfloat16) is one call instead of
 // ATen's ~6 for a row.
 //
+// `llama_layer` is a whole pre-norm decoder layer (Llama, Mistral, Qwen2, Qwen3) of an eager step in
+// that layout, as one call instead of ~40 (BENCHMARKS.md 15p): the same functions in the same order
+// as the lean forward's Python loop over the same ops (this file's GEMMs and norm, the rope's and the
+// residuals' elementwise products and sums rounded as ATen rounds them, ATen's silu, the C++
+// decode-attention op), so its output is bitwise that loop's.
+//
 // The same loop reads int8 weights (one float32 scale per output row; `small_linear_i8`, the int8
 // draft of `--draft-precision int8`): 16 weights are widened to floats in registers, so a step
 // reads a quarter of the bytes and the sums are float32 (W8A32; with a bfloat16 model's activations
@@ -37,6 +43,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -336,8 +343,130 @@ at::Tensor small_linear_i8(const at::Tensor& x, const at::Tensor& w, const at::T
   return run<int8_t>(x, xc, w, sc, bc);
 }
 
+namespace {
+
+// v as an opaque value: a float product is rounded on its own, not contracted with the next sum
+// into one fused multiply-add (ATen's elementwise ops round each op); bfloat16 rounds each op anyway.
+template <typename T>
+inline T rounded_alone(T v) {
+  if (std::is_same<T, float>::value) __asm__ volatile("" : "+m"(v));
+  return v;
+}
+
+// y = a + b elementwise, rounded to T (ATen's add), for the residuals.
+template <typename T>
+at::Tensor sum_of(const at::Tensor& a, const at::Tensor& b) {
+  at::Tensor y = at::empty_like(a);
+  const T* ap = a.data_ptr<T>();
+  const T* bp = b.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  for (int64_t i = 0; i < a.numel(); ++i) yp[i] = ap[i] + bp[i];
+  return y;
+}
+
+// The layer for T (float or c10::BFloat16); see llama_layer below.
+template <typename T>
+at::Tensor layer(const at::Tensor& x, const std::vector<at::Tensor>& w, const std::vector<c10::optional<at::Tensor>>& b,
+                 const at::Tensor& cos, const at::Tensor& sin, at::Tensor& K, at::Tensor& V, const at::Tensor& pos,
+                 int64_t start, int64_t window, double scale, double eps, double qk_eps, int64_t nh, int64_t nkv,
+                 int64_t hd, int64_t chunk) {
+  static const auto attention = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("draftsmith::decode_attention", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double,
+                        int64_t)>();
+  const int64_t H = x.size(-1), S = K.size(2), half = hd / 2;
+  const at::Tensor x2 = x.reshape({-1, H}).contiguous();
+  const int64_t m = x2.size(0);
+  // attention input: the norm, q / k / v, Qwen3's per-head norms
+  const at::Tensor h = rms_norm(x2, w[0], eps);
+  at::Tensor q = small_linear(h, w[1], b[0]);
+  at::Tensor k = small_linear(h, w[2], b[1]);
+  const at::Tensor v = small_linear(h, w[3], b[2]);
+  if (w.size() == 11) {
+    q = rms_norm(q.view({m * nh, hd}), w[9], qk_eps).view({m, nh * hd});
+    k = rms_norm(k.view({m * nkv, hd}), w[10], qk_eps).view({m, nkv * hd});
+  }
+  // rope, rotate-half folded (lean.rope_folded): x * cos + roll(x, hd / 2) * sin_folded, each product and
+  // the sum rounded to T; q into [1, nh, m, hd], k and v into the cache's slots start .. start + m - 1
+  const at::Tensor c = cos.reshape({m, hd}).contiguous(), sf = sin.reshape({m, hd}).contiguous();
+  const T* cp = c.data_ptr<T>();
+  const T* sp = sf.data_ptr<T>();
+  const auto rope = [&](const T* in, T* out, int64_t j) {
+    for (int64_t d = 0; d < hd; ++d) {
+      const T a = rounded_alone<T>(in[d] * cp[j * hd + d]);
+      const T r = rounded_alone<T>(in[d < half ? d + half : d - half] * sp[j * hd + d]);
+      out[d] = a + r;
+    }
+  };
+  at::Tensor qr = at::empty({1, nh, m, hd}, x2.options());
+  const T* qp = q.data_ptr<T>();
+  T* qrp = qr.data_ptr<T>();
+  for (int64_t j = 0; j < m; ++j)
+    for (int64_t head = 0; head < nh; ++head) rope(qp + (j * nh + head) * hd, qrp + (head * m + j) * hd, j);
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* Kp = K.data_ptr<T>();
+  T* Vp = V.data_ptr<T>();
+  for (int64_t j = 0; j < m; ++j)
+    for (int64_t head = 0; head < nkv; ++head) {
+      const int64_t slot = (head * S + start + j) * hd;
+      rope(kp + (j * nkv + head) * hd, Kp + slot, j);
+      std::memcpy(Vp + slot, vp + (j * nkv + head) * hd, hd * sizeof(T));
+    }
+  const at::Tensor a = attention.call(qr, K, V, pos, window, scale, chunk);  // [1, nh, m, hd]
+  const at::Tensor o = small_linear(a.view({nh, m, hd}).transpose(0, 1).reshape({m, nh * hd}), w[4], b[3]);
+  const at::Tensor x1 = sum_of<T>(x2, o);
+  // MLP: the norm, silu(gate) * up (ATen's silu), down, the residual
+  const at::Tensor h2 = rms_norm(x1, w[5], eps);
+  const at::Tensor g = at::silu(small_linear(h2, w[6], b[4]));
+  at::Tensor p = small_linear(h2, w[7], b[5]);
+  {
+    const T* gp = g.data_ptr<T>();
+    T* pp = p.data_ptr<T>();
+    for (int64_t i = 0; i < p.numel(); ++i) pp[i] = gp[i] * pp[i];
+  }
+  return sum_of<T>(x1, small_linear(p, w[8], b[6])).view(x.sizes());
+}
+
+}  // namespace
+
+// One pre-norm decoder layer of an eager step over m <= 16 rows x [..., H] (float32 or bfloat16):
+//   h = x + o(attention(rope(q(n1(x))), rope(k(n1(x))), v(n1(x))));  out = h + down(silu(gate(n2(h))) * up(n2(h)))
+// w: n1's weight, Wq, Wk, Wv, Wo, n2's weight, Wgate, Wup, Wdown[, q_norm's, k_norm's weight (Qwen3)];
+// b: the 7 projections' biases (None where absent). cos / sin_folded [.., m, hd]: the rope tables of
+// the lean forward (its rope_folded form). The new keys (roped) and values are written into K, V
+// [1, nkv, S, hd] at slots start .. start + m - 1; the queries attend through draftsmith::decode_attention
+// at positions pos [m] (window 0: all before). Returns the layer's output, x's shape.
+at::Tensor llama_layer(const at::Tensor& x, at::TensorList w, const c10::List<c10::optional<at::Tensor>>& b,
+                       const at::Tensor& cos, const at::Tensor& sin, at::Tensor K, at::Tensor V, const at::Tensor& pos,
+                       int64_t start, int64_t window, double scale, double eps, double qk_eps, int64_t nh, int64_t nkv,
+                       int64_t hd, int64_t chunk) {
+  TORCH_CHECK(w.size() == 9 || w.size() == 11, "llama_layer: 9 weights, or 11 with q/k norms");
+  TORCH_CHECK(b.size() == 7, "llama_layer: 7 biases (None where absent)");
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "llama_layer: float32 or bfloat16 x");
+  for (const auto& t : w) TORCH_CHECK(t.scalar_type() == dt && t.device().is_cpu(), "llama_layer: weights of x's dtype on the CPU");
+  TORCH_CHECK(K.scalar_type() == dt && V.scalar_type() == dt && K.is_contiguous() && V.is_contiguous() && K.dim() == 4 &&
+              K.sizes() == V.sizes() && K.size(0) == 1 && K.size(1) == nkv && K.size(3) == hd,
+              "llama_layer: contiguous K, V [1, nkv, S, hd] of x's dtype");
+  TORCH_CHECK(hd % 2 == 0 && nh % nkv == 0 && cos.numel() == sin.numel() && cos.scalar_type() == dt &&
+              sin.scalar_type() == dt, "llama_layer: even head dim, GQA groups, rope tables of x's dtype");
+  const int64_t m = x.numel() / x.size(-1);
+  TORCH_CHECK(cos.numel() == m * hd && pos.numel() == m && start >= 0 && start + m <= K.size(2),
+              "llama_layer: rope tables [m, hd], pos [m] and slots inside the cache");
+  const std::vector<at::Tensor> ws(w.begin(), w.end());
+  std::vector<c10::optional<at::Tensor>> bs;
+  for (size_t i = 0; i < b.size(); ++i) bs.push_back(b.get(i));
+  if (dt == at::kFloat)
+    return layer<float>(x, ws, bs, cos, sin, K, V, pos, start, window, scale, eps, qk_eps, nh, nkv, hd, chunk);
+  return layer<c10::BFloat16>(x, ws, bs, cos, sin, K, V, pos, start, window, scale, eps, qk_eps, nh, nkv, hd, chunk);
+}
+
 TORCH_LIBRARY_FRAGMENT(draftsmith, lib) {  // a fragment: other sources and Python register draftsmith:: ops too
   lib.def("small_linear(Tensor x, Tensor w, Tensor? b) -> Tensor");
+  lib.def("llama_layer(Tensor x, Tensor[] w, Tensor?[] b, Tensor cos, Tensor sin, Tensor(a!) K, Tensor(b!) V, "
+          "Tensor pos, int start, int window, float scale, float eps, float qk_eps, int nh, int nkv, int hd, "
+          "int chunk) -> Tensor");
   lib.def("small_linear_i8(Tensor x, Tensor w, Tensor scale, Tensor? b) -> Tensor");
   lib.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
 }
@@ -346,4 +475,5 @@ TORCH_LIBRARY_IMPL(draftsmith, CPU, lib) {
   lib.impl("small_linear", &small_linear);
   lib.impl("small_linear_i8", &small_linear_i8);
   lib.impl("rms_norm", &rms_norm);
+  lib.impl("llama_layer", &llama_layer);
 }

@@ -220,10 +220,18 @@ class KVCache:
         if self.per_query and m > 1 and start > 0:
             return torch.cat([self._read(i, q[:, :, j:j + 1], start + j, scale) for j in range(m)], 2)
         # (a per-query cache keeps SDPA for its one-token steps too: its verify rows above are SDPA's)
-        if _eager_kernel and _eager_kernel[-1] and m <= EAGER_KERNEL_MAX_ROWS and (start > 0 or m == 1) \
-                and not self.per_query and self.eager_kernel:
+        if self.kernel_step(m, start):
             return cpu_attention.decode_attention(q, K, V, pos, self.windows[i] or 0, scale)
         return self._read(i, q, start, scale)
+
+    def kernel_step(self, m: int, start: int | None = None) -> bool:
+        """Whether an eager forward of ``m`` queries from slot ``start`` (None: the cache's length)
+        attends through the C++ decode-attention kernel: inside :func:`eager_cpu_attention`, a step
+        (at most :data:`EAGER_KERNEL_MAX_ROWS` queries after the prompt, or one), not static, not
+        per-query, buffers the kernel reads. (The lean forward's fused layer asks it too.)"""
+        start = self.length if start is None else start
+        return bool(_eager_kernel and _eager_kernel[-1] and m <= EAGER_KERNEL_MAX_ROWS and (start > 0 or m == 1)
+                    and not self.per_query and not self.static and self.eager_kernel)
 
     def _kernel_fits(self) -> bool:
         """Whether :mod:`~draftsmith.models.cpu_attention`'s kernel can read these buffers (CPU, float32

@@ -216,6 +216,62 @@ class _Layer:
     rope_key: str | None  # Gemma 3 keeps one rotary table per layer type
 
 
+@dataclass
+class _Fused:
+    """One layer's arguments for ``draftsmith::llama_layer`` (the cpp layout's fused eager layer)."""
+
+    w: list[torch.Tensor]
+    b: list[torch.Tensor | None]
+    eps: float
+    qk_eps: float
+    window: int
+
+
+def _fused_layers(base: torch.nn.Module, layers: list[_Layer], windows: list[int | None], dtype: torch.dtype,
+                  rope_fast: bool) -> list[_Fused] | None:
+    """Each layer's arguments for the fused C++ layer, or None where a layer is not one it computes.
+
+    It computes a pre-norm layer (Llama, Mistral, Qwen2, Qwen3) whose 7 projections run on the cpp
+    layout's few-row kernel (:class:`~draftsmith.models.verifier.CppLinear`) and whose norms on its
+    norm (:class:`~draftsmith.models.verifier.CppNorm`), float32 or bfloat16 on the CPU, with silu
+    (probed against ``F.silu``) and the rotate-half rope (:func:`rope_folded`): what the Python loop
+    computes op for op, in one call."""
+    if not rope_fast or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    from draftsmith.models import cpu_attention, cpu_linear
+    from draftsmith.models.verifier import _norm_eps
+
+    def kernel(mod) -> bool:
+        w = getattr(mod, "weight", None)
+        return (getattr(type(mod), "cpp_kernel", False) and isinstance(w, torch.Tensor) and w.dtype is dtype
+                and w.device.type == "cpu")
+
+    out = []
+    probe = torch.randn(3, 8, generator=torch.Generator().manual_seed(0)).to(dtype) * 4
+    for layer, L, W in zip(base.layers, layers, windows):
+        a, mlp = layer.self_attn, layer.mlp
+        if hasattr(layer, "pre_feedforward_layernorm") or L.hd % 2:
+            return None
+        projs = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        qk = [getattr(a, "q_norm", None), getattr(a, "k_norm", None)]
+        if any(n is not None for n in qk):
+            norms += qk
+        if not all(kernel(mod) for mod in projs + norms):
+            return None
+        with torch.no_grad():
+            if not torch.equal(mlp.act_fn(probe), F.silu(probe)):
+                return None
+        w = [norms[0].weight, *(p.weight for p in projs[:4]), norms[1].weight, *(p.weight for p in projs[4:])]
+        out.append(_Fused(w + [n.weight for n in norms[2:]], [p.bias for p in projs], _norm_eps(norms[0]),
+                          _norm_eps(norms[2]) if len(norms) > 2 else 0.0, W or 0))
+        if _norm_eps(norms[1]) != out[-1].eps:
+            return None
+    if not (cpu_linear.available() and cpu_attention.available()):
+        return None
+    return out
+
+
 class LeanDecoder:
     """Runs a supported transformers causal LM step by step on a :class:`KVCache`.
 
@@ -269,6 +325,9 @@ class LeanDecoder:
         # A layer that rounds its input (W8A8 int8) needs each position's inputs bitwise as a
         # one-token step makes them: attention one query at a time (see models/kv.py).
         self.per_query = rounds_activations(model)
+        # In the cpp layout (eager): each layer of a step as one C++ call (draftsmith::llama_layer), bitwise
+        # the loop of _layers over the same kernels, without its ~40 Python-level ops per layer.
+        self.fused = None if by_module else _fused_layers(base, self.layers, self.windows, self.dtype, self.rope_fast)
 
     def new_cache(self, capacity: int) -> KVCache:
         """An empty cache for ``capacity`` positions in the model's dtype and device."""
@@ -288,8 +347,12 @@ class LeanDecoder:
             input of layer i (0: the embeddings; n: the final normed output), as
             transformers' ``hidden_states[i]``.
         """
-        x, saved = self._layers(self.embed(ids), 1, pos[None],
-                                lambda i, q, k, v, scale: cache.attend(i, q, k, v, pos, scale), aux_layer_ids)
+        if self.fused is not None and cache.kernel_step(ids.shape[0]) and not torch.is_grad_enabled() \
+                and not torch.compiler.is_compiling():
+            x, saved = self._layers_fused(self.embed(ids), pos, cache, aux_layer_ids)
+        else:
+            x, saved = self._layers(self.embed(ids), 1, pos[None],
+                                    lambda i, q, k, v, scale: cache.attend(i, q, k, v, pos, scale), aux_layer_ids)
         logits = self.head(x if keep is None else x[-keep:])
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -340,6 +403,28 @@ class LeanDecoder:
             if L.post_mlp_norm is not None:
                 h = L.post_mlp_norm(h)
             x = x + h
+        x = self.norm(x)
+        if self.num_layers in aux_layer_ids:
+            saved[self.num_layers] = x
+        return x, saved
+
+    def _layers_fused(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache,
+                      aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """:meth:`_layers` for one sequence's step, each layer one ``draftsmith::llama_layer`` call (same
+        results, bitwise; :attr:`fused`); the new keys and values go to the cache's next slots."""
+        from draftsmith.models.cpu_attention import CHUNK
+
+        m, start = x.shape[0], cache.length
+        cache.check_room(m)
+        rope = self._tables(x, pos[None])
+        saved: dict[int, torch.Tensor] = {}
+        layer = torch.ops.draftsmith.llama_layer
+        for i, (L, F_) in enumerate(zip(self.layers, self.fused)):
+            if i in aux_layer_ids:
+                saved[i] = x
+            cos, sin = rope[L.rope_key]
+            x = layer(x, F_.w, F_.b, cos, sin, cache.keys[i], cache.values[i], pos, start, F_.window, L.scale,
+                      F_.eps, F_.qk_eps, L.nh, L.nkv, L.hd, CHUNK)
         x = self.norm(x)
         if self.num_layers in aux_layer_ids:
             saved[self.num_layers] = x

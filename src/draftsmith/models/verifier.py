@@ -346,6 +346,8 @@ class CppLinear(torch.nn.Linear):
     input of the weight's dtype); longer inputs (a prefill), other dtypes and compiled graphs take
     ``F.linear`` on the same weight (MKL's or oneDNN's GEMM)."""
 
+    cpp_kernel = True  # read by draftsmith.models.lean (its fused layer multiplies by the same kernel)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if 0 < x.numel() <= _CPP_MAX_ROWS * self.in_features and x.dtype is self.weight.dtype \
                 and x.dtype in _CPP_DTYPES and not torch.compiler.is_compiling():
