@@ -390,12 +390,43 @@ def test_fused_layer_rejects_bad_input():
     w = [torch.ones(8), *(torch.randn(8, 8) for _ in range(4)), torch.ones(8), *(torch.randn(8, 8) for _ in range(3))]
     K = torch.zeros(1, 2, 4, 4)
     args = (torch.ones(1, 4), torch.zeros(1, 4), K, K.clone(), torch.tensor([0]), 0, 0, 0.5, 1e-5, 0.0, 2, 2, 4, 256)
-    torch.ops.draftsmith.llama_layer(x, w, [None] * 7, *args)  # the control: accepted
+    layer, none = torch.ops.draftsmith.llama_layer, [None] * 7
+    layer(x, None, w, none, none, *args)  # the control: accepted
     with pytest.raises(RuntimeError, match="9 weights"):
-        torch.ops.draftsmith.llama_layer(x, w[:8], [None] * 7, *args)
+        layer(x, None, w[:8], none, none, *args)
     with pytest.raises(RuntimeError, match="float32 or bfloat16 x"):
-        torch.ops.draftsmith.llama_layer(x.double(), w, [None] * 7, *args)
+        layer(x.double(), None, w, none, none, *args)
     with pytest.raises(RuntimeError, match="weights of x's dtype"):
-        torch.ops.draftsmith.llama_layer(x.bfloat16(), w, [None] * 7, *args)
+        layer(x.bfloat16(), None, w, none, none, *args)
+    with pytest.raises(RuntimeError, match="int8 where a scale is given"):
+        layer(x, None, w, [torch.ones(8)] + none[1:], none, *args)  # a scale for a float32 weight
+    with pytest.raises(RuntimeError, match="resid of x's dtype"):
+        layer(x, torch.zeros(2, 8), w, none, none, *args)
     with pytest.raises(RuntimeError, match="inside the cache"):
-        torch.ops.draftsmith.llama_layer(x, w, [None] * 7, *args[:5], 4, *args[6:])
+        layer(x, None, w, none, none, *args[:5], 4, *args[6:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_is_torch_argmax_with_ties_nans_and_infinities(dtype):
+    """``cpu_linear.argmax`` gives torch.argmax's indices: the first of tied maxima (in a lane's chunk, across
+    chunks, in the tail), the first NaN wherever it is, 0 for a row of -inf; every row length around the
+    16-lane chunks; any leading shape. The control: a row whose maximum sits twice returns the first."""
+    assert cpu_linear._BUILT  # the extension's op, not ATen's fallback
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 5, 15, 16, 17, 31, 32, 33, 100, 8192, 49152):
+        x = torch.randn(7, n, generator=g).to(dtype)
+        if n > 3:
+            x[1, n // 2] = x[1, -1] = 50.0  # a tie: the first
+            x[2, -1] = 60.0  # in the tail
+            x[3, n // 3] = float("nan")  # a NaN: its index
+            x[3, -1] = float("nan")
+        x[4] = float("-inf")
+        x[5, 0] = float("inf")
+        x[6] = 1.0  # all equal: 0
+        got = cpu_linear.argmax(x)
+        assert got.dtype == torch.long and torch.equal(got, x.argmax(-1)), n
+        if n > 3:
+            assert got[1] == n // 2 and got[3] == n // 3
+    x = torch.randn(2, 3, 40, generator=g).to(dtype)
+    assert torch.equal(cpu_linear.argmax(x), x.argmax(-1)) and torch.equal(cpu_linear.argmax(x[0, 0]), x[0, 0].argmax(-1))
+    assert cpu_linear.argmax(x[0, 0]).dim() == 0

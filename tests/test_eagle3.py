@@ -378,3 +378,43 @@ def test_confidence_stop_negative_control_rule_that_reads_the_token():
     params = SamplingParams(1.0)
     verifier, counts, _ = _eagle3_sequence_counts(_PeeksAtToken, 0.5, params, SEQ_N // 2)
     assert _chi2_pooled(counts, _exact_sequence_dist(verifier, [2, 3, 1], params)) < P_THRESHOLD
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("flags", [{}, {"norm_before_residual": False}, {"qk_norm": True}, {"int8": True}])
+def test_fused_draft_step_is_bitwise_the_modules_step(dtype, flags, monkeypatch):
+    """Inside ``--weight-layout cpp`` an EAGLE-3 draft's eager step runs its layer as one ``llama_layer``
+    call (calls counted) with its float or int8 weights: logits, carried hidden states and the cache's
+    keys and values are bitwise the module-by-module step's, over a first step of several positions
+    and a chain of one-position steps; outside the layout no fused arguments exist (the control)."""
+    from draftsmith.models.quantize import quantize_draft
+    from draftsmith.models.verifier import weight_layout
+
+    flags = dict(flags)
+    int8 = flags.pop("int8", False)
+    d = _draft(tiny_model("llama"), vd=64, **flags).to(dtype)
+    if int8:
+        d = quantize_draft(d, "int8")
+    assert d.fused_args() is None
+    from draftsmith.models import cpu_linear
+
+    assert cpu_linear.available()
+    real, calls = torch.ops.draftsmith.llama_layer, []
+    monkeypatch.setattr(torch.ops.draftsmith, "llama_layer", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    H = d.config.hidden_size
+    with weight_layout(d, "cpp"), torch.inference_mode():
+        fused = d.fused_args()
+        assert fused is not None and (fused[1][0] is not None) == int8
+        caches = [d.new_cache(16), d.new_cache(16)]
+        ids, hidden = torch.randint(0, 128, (1, 4), generator=g), torch.randn(1, 4, H, generator=g).to(dtype)
+        pos = torch.arange(1, 5)[None]
+        for n in range(4):
+            outs = [d.step(ids, hidden, pos, c, fused=f) for c, f in zip(caches, (fused, None))]
+            for c in caches:
+                c.advance(ids.shape[1])
+            assert all(torch.equal(a, b) for a, b in zip(*outs)), n
+            ids, hidden, pos = outs[0][0][:, -1:].argmax(-1), outs[0][1][:, -1:], pos[:, -1:] + 1
+        for x, y in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values):
+            assert torch.equal(x[:, :, :7], y[:, :, :7])
+    assert len(calls) == 3  # the first step (4 positions, none cached) attends by SDPA: the module path

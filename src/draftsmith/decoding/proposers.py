@@ -20,6 +20,7 @@ import torch
 from draftsmith.decoding.runner import CAPACITY_BUCKET, CompiledFn, VerifierRunner, weights_version
 from draftsmith.decoding.sampling import SamplingParams, logits_to_probs, sample
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.cpu_linear import argmax
 from draftsmith.models.kv import KVCache
 from draftsmith.models.quantize import output_vocab_size
 
@@ -251,6 +252,7 @@ class Eagle3Proposer(Proposer):
         self.cache: KVCache | None = None
         self._compiled: Any = None  # the compiled draft step, kept across prompts
         self._compiled_version: tuple[int, ...] = ()  # the draft's weights_version when it was compiled
+        self._fused: tuple | None = None  # Eagle3Draft.fused_args, read by prepare
         self._warm: set[tuple[int, bool]] = set()
         self._refused: tuple[int, ...] | None = None  # weights_version whose compiled step failed its check
         self.compile_error: float | None = None  # that check's relative error (None: not compiled)
@@ -285,6 +287,8 @@ class Eagle3Proposer(Proposer):
             self._compiled, self.cache = None, None
         self._ensure(max_length)
         self.cache.length = 0
+        # eager in the cpp layout: the draft layer as one C++ call (Eagle3Draft.fused_args; None elsewhere)
+        self._fused = self.draft.fused_args() if self._compiled is None else None
         if compile and self._compiled is not None:
             self._warmup(num_draft_tokens)
 
@@ -308,7 +312,7 @@ class Eagle3Proposer(Proposer):
         cache, m = self.cache, ids.shape[1]
         cache.check_room(m)
         if self._compiled is None:
-            out = self.draft.step(ids, hidden, pos, cache)
+            out = self.draft.step(ids, hidden, pos, cache, fused=self._fused)
         else:
             slots = torch.arange(cache.length, cache.length + m, device=ids.device)
             if m > 1:  # one graph for every first-step length
@@ -373,6 +377,7 @@ class Eagle3Proposer(Proposer):
                         "largest magnitude (tolerance %.0f%%): the draft runs eagerly", 100 * err,
                         100 * COMPILED_DRAFT_TOLERANCE)
             self._compiled, self.cache, self._warm = None, None, set()
+            self._fused = self.draft.fused_args()
             self._refused = self._compiled_version
             self._ensure(capacity)  # a fresh eager cache, empty
 
@@ -395,7 +400,7 @@ class Eagle3Proposer(Proposer):
         None when nothing gates on it)."""
         gate = self._gating
         if sampling.greedy:
-            i = logits.argmax(-1)
+            i = argmax(logits)
             top = None
             if gate:  # the greedy choice's probability: 1 / sum(exp(l - max)), read on the host only to gate
                 l32 = logits.float()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.decoding.sampling import sample
+from draftsmith.models.cpu_linear import argmax
 
 
 def greedy_verify(draft: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
@@ -27,7 +28,7 @@ def greedy_verify(draft: torch.Tensor, target_logits: torch.Tensor) -> torch.Ten
         ``[2]`` long tensor ``(n, token)``: the number of accepted drafts (longest prefix
         equal to the verifier's argmax) and the verifier's own token at position n+1.
     """
-    target = target_logits.argmax(-1)  # [k+1]
+    target = argmax(target_logits)  # [k+1]
     k = draft.shape[0]
     n = (draft == target[:k]).long().cumprod(0).sum() if k else target.new_zeros(())
     return torch.stack([n, target[n]])

@@ -43,6 +43,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 namespace {
@@ -365,23 +366,32 @@ at::Tensor sum_of(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // The layer for T (float or c10::BFloat16); see llama_layer below.
+using Optionals = std::vector<c10::optional<at::Tensor>>;
+
 template <typename T>
-at::Tensor layer(const at::Tensor& x, const std::vector<at::Tensor>& w, const std::vector<c10::optional<at::Tensor>>& b,
-                 const at::Tensor& cos, const at::Tensor& sin, at::Tensor& K, at::Tensor& V, const at::Tensor& pos,
-                 int64_t start, int64_t window, double scale, double eps, double qk_eps, int64_t nh, int64_t nkv,
-                 int64_t hd, int64_t chunk) {
+at::Tensor layer(const at::Tensor& x, const c10::optional<at::Tensor>& resid, const std::vector<at::Tensor>& w,
+                 const Optionals& s, const Optionals& b, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& K,
+                 at::Tensor& V, const at::Tensor& pos, int64_t start, int64_t window, double scale, double eps,
+                 double qk_eps, int64_t nh, int64_t nkv, int64_t hd, int64_t chunk) {
   static const auto attention = c10::Dispatcher::singleton()
       .findSchemaOrThrow("draftsmith::decode_attention", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double,
                         int64_t)>();
-  const int64_t H = x.size(-1), S = K.size(2), half = hd / 2;
-  const at::Tensor x2 = x.reshape({-1, H}).contiguous();
+  const int64_t S = K.size(2), half = hd / 2;
+  const at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t m = x2.size(0);
+  const bool given = resid.has_value() && resid->defined();  // x is the attention's input (a draft's)
+  const at::Tensor r2 = given ? resid->reshape({m, -1}).contiguous() : x2;
+  // projection j (q, k, v, o, gate, up, down): w[1..4, 6..8]; int8 weights where s[j] (a scale) is given
+  const auto proj = [&](const at::Tensor& in, int j) {
+    const at::Tensor& W = w[j < 4 ? j + 1 : j + 2];
+    return s[j].has_value() && s[j]->defined() ? small_linear_i8(in, W, *s[j], b[j]) : small_linear(in, W, b[j]);
+  };
   // attention input: the norm, q / k / v, Qwen3's per-head norms
-  const at::Tensor h = rms_norm(x2, w[0], eps);
-  at::Tensor q = small_linear(h, w[1], b[0]);
-  at::Tensor k = small_linear(h, w[2], b[1]);
-  const at::Tensor v = small_linear(h, w[3], b[2]);
+  const at::Tensor h = given ? x2 : rms_norm(x2, w[0], eps);
+  at::Tensor q = proj(h, 0);
+  at::Tensor k = proj(h, 1);
+  const at::Tensor v = proj(h, 2);
   if (w.size() == 11) {
     q = rms_norm(q.view({m * nh, hd}), w[9], qk_eps).view({m, nh * hd});
     k = rms_norm(k.view({m * nkv, hd}), w[10], qk_eps).view({m, nkv * hd});
@@ -414,38 +424,116 @@ at::Tensor layer(const at::Tensor& x, const std::vector<at::Tensor>& w, const st
       std::memcpy(Vp + slot, vp + (j * nkv + head) * hd, hd * sizeof(T));
     }
   const at::Tensor a = attention.call(qr, K, V, pos, window, scale, chunk);  // [1, nh, m, hd]
-  const at::Tensor o = small_linear(a.view({nh, m, hd}).transpose(0, 1).reshape({m, nh * hd}), w[4], b[3]);
-  const at::Tensor x1 = sum_of<T>(x2, o);
+  const at::Tensor o = proj(a.view({nh, m, hd}).transpose(0, 1).reshape({m, nh * hd}), 3);
+  const at::Tensor x1 = sum_of<T>(r2, o);
   // MLP: the norm, silu(gate) * up (ATen's silu), down, the residual
   const at::Tensor h2 = rms_norm(x1, w[5], eps);
-  const at::Tensor g = at::silu(small_linear(h2, w[6], b[4]));
-  at::Tensor p = small_linear(h2, w[7], b[5]);
+  const at::Tensor g = at::silu(proj(h2, 4));
+  at::Tensor p = proj(h2, 5);
   {
     const T* gp = g.data_ptr<T>();
     T* pp = p.data_ptr<T>();
     for (int64_t i = 0; i < p.numel(); ++i) pp[i] = gp[i] * pp[i];
   }
-  return sum_of<T>(x1, small_linear(p, w[8], b[6])).view(x.sizes());
+  return sum_of<T>(x1, proj(p, 6)).view(given ? resid->sizes() : x.sizes());
 }
 
 }  // namespace
 
+namespace {
+
+// The index of the first largest value of p[0 .. n) as torch.argmax gives it: a NaN counts as the
+// largest (its first index), and a row of -inf gives 0. One pass keeps 16 lanes' maxima and whether a
+// NaN was seen; a second finds the first index of the maximum (or of a NaN).
+template <typename W>
+int64_t first_argmax(const W* p, int64_t n) {
+  const int64_t n16 = n - n % 16;
+  float best = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  if (n16) {
+    v16f mx = loadw(p);
+    v16i seen = mx != mx;
+    for (int64_t k = 16; k < n16; k += 16) {
+      const v16f v = loadw(p + k);
+      seen |= v != v;
+      mx = v > mx ? v : mx;
+    }
+    for (int j = 0; j < 16; ++j) {
+      nan |= seen[j] != 0;
+      best = std::max(best, mx[j]);
+    }
+  }
+  const auto at = [&](int64_t k) -> float {
+    if constexpr (std::is_same<W, float>::value) return p[k];
+    else return bf16_to_float(p[k]);
+  };
+  for (int64_t k = n16; k < n; ++k) {
+    const float v = at(k);
+    nan |= v != v;
+    best = std::max(best, v);
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    const float v = at(k);
+    if (nan ? v != v : v == best) return k;
+  }
+  return 0;
+}
+
+}  // namespace
+
+// The argmax of each row of x [..., n] (float32 or bfloat16, CPU) as torch.argmax(x, -1) gives it
+// (first index of the largest; a NaN is the largest), without ATen's reduction: a bfloat16 row of a
+// SmolLM2 verifier's 49152 logits took ATen 178 us on the EPYC (float32 43 us; BENCHMARKS.md 15p).
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) > 0 &&
+              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "argmax_rows: a float32 or bfloat16 CPU tensor [..., n], n > 0");
+  const int64_t n = x.size(-1);
+  const at::Tensor xc = x.reshape({-1, n}).contiguous();
+  auto shape = x.sizes().vec();
+  shape.pop_back();
+  at::Tensor out = at::empty({xc.size(0)}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < xc.size(0); ++r)
+    op[r] = x.scalar_type() == at::kFloat ? first_argmax(xc.data_ptr<float>() + r * n, n)
+                                          : first_argmax(weights<uint16_t>(xc) + r * n, n);
+  return out.view(shape);
+}
+
 // One pre-norm decoder layer of an eager step over m <= 16 rows x [..., H] (float32 or bfloat16):
 //   h = x + o(attention(rope(q(n1(x))), rope(k(n1(x))), v(n1(x))));  out = h + down(silu(gate(n2(h))) * up(n2(h)))
-// w: n1's weight, Wq, Wk, Wv, Wo, n2's weight, Wgate, Wup, Wdown[, q_norm's, k_norm's weight (Qwen3)];
-// b: the 7 projections' biases (None where absent). cos / sin_folded [.., m, hd]: the rope tables of
-// the lean forward (its rope_folded form). The new keys (roped) and values are written into K, V
-// [1, nkv, S, hd] at slots start .. start + m - 1; the queries attend through draftsmith::decode_attention
-// at positions pos [m] (window 0: all before). Returns the layer's output, x's shape.
-at::Tensor llama_layer(const at::Tensor& x, at::TensorList w, const c10::List<c10::optional<at::Tensor>>& b,
+// or, with `resid` (an EAGLE-3 draft's layer: x is its attention input, [embedding norm, hidden norm], and
+// resid what the attention's output is added to), h = resid + o(attention(... q(x) ...)), the rest the same.
+// w: n1's weight (unused with resid), Wq, Wk, Wv, Wo, n2's weight, Wgate, Wup, Wdown[, q_norm's, k_norm's
+// weight (Qwen3)]; s: the 7 projections' int8 scales where their weight is int8 (an int8 draft's, the
+// kernel's int8 form), else None; b: their biases (None where absent). cos / sin_folded [.., m, hd]: the
+// rope tables in the lean forward's rope_folded form. The new keys (roped) and values are written into
+// K, V [1, nkv, S, hd] at slots start .. start + m - 1; the queries attend through draftsmith::decode_attention
+// at positions pos [m] (window 0: all before). Returns the layer's output, of x's (or resid's) shape.
+at::Tensor llama_layer(const at::Tensor& x, const c10::optional<at::Tensor>& resid, at::TensorList w,
+                       const c10::List<c10::optional<at::Tensor>>& s, const c10::List<c10::optional<at::Tensor>>& b,
                        const at::Tensor& cos, const at::Tensor& sin, at::Tensor K, at::Tensor V, const at::Tensor& pos,
                        int64_t start, int64_t window, double scale, double eps, double qk_eps, int64_t nh, int64_t nkv,
                        int64_t hd, int64_t chunk) {
   TORCH_CHECK(w.size() == 9 || w.size() == 11, "llama_layer: 9 weights, or 11 with q/k norms");
-  TORCH_CHECK(b.size() == 7, "llama_layer: 7 biases (None where absent)");
+  TORCH_CHECK(s.size() == 7 && b.size() == 7, "llama_layer: 7 scales and 7 biases (None where absent)");
   const auto dt = x.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "llama_layer: float32 or bfloat16 x");
-  for (const auto& t : w) TORCH_CHECK(t.scalar_type() == dt && t.device().is_cpu(), "llama_layer: weights of x's dtype on the CPU");
+  Optionals ss, bs;
+  for (size_t i = 0; i < 7; ++i) {
+    ss.push_back(s.get(i));
+    bs.push_back(b.get(i));
+  }
+  const bool given = resid.has_value() && resid->defined();
+  for (size_t i = 0; i < w.size(); ++i) {
+    if (i == 0 && given) continue;
+    const int j = i >= 1 && i <= 4 ? static_cast<int>(i) - 1 : i >= 6 && i <= 8 ? static_cast<int>(i) - 2 : -1;
+    const bool int8 = j >= 0 && ss[j].has_value() && ss[j]->defined();
+    TORCH_CHECK(w[i].scalar_type() == (int8 ? at::kChar : dt) && w[i].device().is_cpu(),
+                "llama_layer: weights of x's dtype (int8 where a scale is given) on the CPU");
+  }
+  TORCH_CHECK(!given || (resid->scalar_type() == dt && resid->numel() / resid->size(-1) == x.numel() / x.size(-1)),
+              "llama_layer: resid of x's dtype and rows");
   TORCH_CHECK(K.scalar_type() == dt && V.scalar_type() == dt && K.is_contiguous() && V.is_contiguous() && K.dim() == 4 &&
               K.sizes() == V.sizes() && K.size(0) == 1 && K.size(1) == nkv && K.size(3) == hd,
               "llama_layer: contiguous K, V [1, nkv, S, hd] of x's dtype");
@@ -455,20 +543,20 @@ at::Tensor llama_layer(const at::Tensor& x, at::TensorList w, const c10::List<c1
   TORCH_CHECK(cos.numel() == m * hd && pos.numel() == m && start >= 0 && start + m <= K.size(2),
               "llama_layer: rope tables [m, hd], pos [m] and slots inside the cache");
   const std::vector<at::Tensor> ws(w.begin(), w.end());
-  std::vector<c10::optional<at::Tensor>> bs;
-  for (size_t i = 0; i < b.size(); ++i) bs.push_back(b.get(i));
   if (dt == at::kFloat)
-    return layer<float>(x, ws, bs, cos, sin, K, V, pos, start, window, scale, eps, qk_eps, nh, nkv, hd, chunk);
-  return layer<c10::BFloat16>(x, ws, bs, cos, sin, K, V, pos, start, window, scale, eps, qk_eps, nh, nkv, hd, chunk);
+    return layer<float>(x, resid, ws, ss, bs, cos, sin, K, V, pos, start, window, scale, eps, qk_eps, nh, nkv, hd, chunk);
+  return layer<c10::BFloat16>(x, resid, ws, ss, bs, cos, sin, K, V, pos, start, window, scale, eps, qk_eps, nh, nkv,
+                              hd, chunk);
 }
 
 TORCH_LIBRARY_FRAGMENT(draftsmith, lib) {  // a fragment: other sources and Python register draftsmith:: ops too
   lib.def("small_linear(Tensor x, Tensor w, Tensor? b) -> Tensor");
-  lib.def("llama_layer(Tensor x, Tensor[] w, Tensor?[] b, Tensor cos, Tensor sin, Tensor(a!) K, Tensor(b!) V, "
-          "Tensor pos, int start, int window, float scale, float eps, float qk_eps, int nh, int nkv, int hd, "
-          "int chunk) -> Tensor");
+  lib.def("llama_layer(Tensor x, Tensor? resid, Tensor[] w, Tensor?[] s, Tensor?[] b, Tensor cos, Tensor sin, "
+          "Tensor(a!) K, Tensor(b!) V, Tensor pos, int start, int window, float scale, float eps, float qk_eps, "
+          "int nh, int nkv, int hd, int chunk) -> Tensor");
   lib.def("small_linear_i8(Tensor x, Tensor w, Tensor scale, Tensor? b) -> Tensor");
   lib.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  lib.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(draftsmith, CPU, lib) {
@@ -476,4 +564,5 @@ TORCH_LIBRARY_IMPL(draftsmith, CPU, lib) {
   lib.impl("small_linear_i8", &small_linear_i8);
   lib.impl("rms_norm", &rms_norm);
   lib.impl("llama_layer", &llama_layer);
+  lib.impl("argmax_rows", &argmax_rows);
 }

@@ -157,6 +157,12 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
+def _fold_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``cat(-sin1, sin2)`` over the halves of the last dim (what ``lean.fold_sin`` computes)."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), -1)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
@@ -257,7 +263,7 @@ class Eagle3Draft(nn.Module):
         # Queries per attention block in the TTT unroll (0: one block of all L). Only speed
         # depends on it (BENCHMARKS.md section 7); results agree to rounding.
         self.ttt_attn_chunk = 256
-        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) [1, n, hd]: _rope_at
+        self._rope_table: tuple[torch.Tensor, ...] | None = None  # (cos, sin, sin folded) [1, n, hd]: _rope_at
 
     # ------------------------------------------------------------------ building blocks
     def set_vocab(self, draft_to_target: torch.Tensor) -> None:
@@ -290,19 +296,23 @@ class Eagle3Draft(nn.Module):
     def rope(self, position_ids: torch.Tensor, like: torch.Tensor):
         return self.rotary_emb(like, position_ids)
 
-    def _rope_at(self, position_ids: torch.Tensor, like: torch.Tensor):
+    def _rope_at(self, position_ids: torch.Tensor, like: torch.Tensor, folded: bool = False):
         """:meth:`rope` at ``position_ids [1, m]`` for a cached step: on the CPU outside autograd and
         compiled graphs, rows of a table the rotary module computed once for positions ``[0, n)``
-        (bitwise its per-step result, tested; ~8 us instead of ~20 for its call), grown by doubling."""
+        (bitwise its per-step result, tested; ~8 us instead of ~20 for its call), grown by doubling.
+        ``folded``: the sine as :func:`~draftsmith.models.lean.fold_sin` folds it (the fused layer's
+        rope; from a folded table, on the CPU)."""
         if (like.device.type != "cpu" or torch.is_grad_enabled() or torch.compiler.is_compiling()
                 or getattr(self.rotary_emb, "rope_type", "default") in ("dynamic", "longrope")):  # tables by length
-            return self.rope(position_ids, like)
+            cos, sin = self.rope(position_ids, like)
+            return (cos, _fold_sin(sin)) if folded else (cos, sin)
         need = int(position_ids.max()) + 1
         table = self._rope_table
         if table is None or table[0].shape[1] < need or table[0].dtype != like.dtype:
             size = max(need, 2 * table[0].shape[1] if table is not None else 512)
-            table = self._rope_table = self.rope(torch.arange(size)[None], like)
-        return table[0][:, position_ids[0]], table[1][:, position_ids[0]]
+            cos, sin = self.rope(torch.arange(size)[None], like)
+            table = self._rope_table = (cos, sin, _fold_sin(sin))
+        return table[0][:, position_ids[0]], table[2 if folded else 1][:, position_ids[0]]
 
     # ------------------------------------------------------------------ training: TTT unroll
     def forward(self, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
@@ -370,8 +380,43 @@ class Eagle3Draft(nn.Module):
         a = self.layers[0].self_attn
         return KVCache(1, a.nkv, a.hd, capacity, self.fc.weight.dtype, self.fc.weight.device)
 
+    def fused_args(self) -> tuple | None:
+        """The draft layer's arguments for ``draftsmith::llama_layer`` (the cpp layout's fused eager
+        layer: :meth:`step`'s ``fused``), or None where it is not on that layout's kernels: every
+        projection a :class:`~draftsmith.models.verifier.CppLinear` of the draft's dtype or a
+        :class:`~draftsmith.models.verifier.CppInt8WeightLinear` (an int8 draft), every norm a
+        :class:`~draftsmith.models.verifier.CppRMSNorm`, float32 or bfloat16 on the CPU. Read once
+        per request (``Eagle3Proposer.prepare``): it holds the weights as they are now."""
+        layer = self.layers[0]
+        a, mlp = layer.self_attn, layer.mlp
+        dtype = self.embed_tokens.weight.dtype
+        projs = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        norms = [layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm]
+        norms += [a.q_norm, a.k_norm] if a.qk_norm else []
+        if dtype not in (torch.float32, torch.bfloat16) or self.embed_tokens.weight.device.type != "cpu" or a.hd % 2:
+            return None
+        if not all(getattr(type(mod), "cpp_kernel", False) for mod in projs + norms):
+            return None
+        if any(n.weight.dtype is not dtype for n in norms):
+            return None
+        w, scales = [], []
+        for mod in projs:
+            q = getattr(mod, "qweight", None)
+            if q is None and mod.weight.dtype is not dtype:
+                return None
+            w.append(mod.weight if q is None else q)
+            scales.append(None if q is None else mod.scale32)
+        from draftsmith.models import cpu_attention
+
+        if not cpu_attention.available():
+            return None
+        weights = [torch.empty(0, dtype=dtype), *w[:4], layer.post_attention_layernorm.weight, *w[4:]]
+        weights += [a.q_norm.weight, a.k_norm.weight] if a.qk_norm else []
+        eps = layer.post_attention_layernorm.eps
+        return weights, scales, [mod.bias for mod in projs], eps, a.q_norm.eps if a.qk_norm else 0.0
+
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
-             slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             slots: torch.Tensor | None = None, fused: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One cached forward over m new positions.
 
         Args:
@@ -381,11 +426,15 @@ class Eagle3Draft(nn.Module):
             cache: the draft's :class:`KVCache`; the m positions are written at ``slots``
                 and the caller then calls ``cache.advance(m)``.
             slots: ``[m]`` cache slots (default: ``cache.length ..``; a compiled step passes them).
+            fused: :meth:`fused_args`, to run the layer as one C++ call where the cache attends through
+                the C++ kernel (the cpp layout, eager): bitwise the same results (tested).
 
         Returns:
             draft logits ``[1, m, Vd]`` and the hidden to carry ``[1, m, H]``.
         """
         m = input_ids.shape[1]
+        if fused is not None and slots is None and cache.kernel_step(m) and not torch.is_grad_enabled():
+            return self._step_fused(input_ids, hidden, position_ids, cache, fused)
         if slots is None:
             slots = torch.arange(cache.length, cache.length + m, device=input_ids.device)
 
@@ -396,3 +445,23 @@ class Eagle3Draft(nn.Module):
         e = self.embed_tokens(input_ids)
         cos, sin = self._rope_at(position_ids, e)
         return self.head(self.layers[0](e, hidden, cos, sin, attend))
+
+    def _step_fused(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                    cache: KVCache, fused: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`step` with the layer's attention and MLP in one ``draftsmith::llama_layer`` call."""
+        from draftsmith.models.cpu_attention import CHUNK
+
+        layer, m = self.layers[0], input_ids.shape[1]
+        a = layer.self_attn
+        weights, scales, biases, eps, qk_eps = fused
+        cache.check_room(m)
+        start = cache.length
+        e = self.embed_tokens(input_ids)
+        cos, sin = self._rope_at(position_ids, e, folded=True)
+        g = layer.hidden_norm(hidden)
+        z = torch.cat([layer.input_layernorm(e), g], dim=-1)  # [1, m, 2H]
+        h = torch.ops.draftsmith.llama_layer(
+            z, g if layer.norm_before_residual else hidden, weights, scales, biases, cos, sin, cache.keys[0],
+            cache.values[0], torch.arange(start, start + m), start, 0, self.scale, eps, qk_eps, a.nh, a.nkv, a.hd,
+            CHUNK)
+        return self.head(h)

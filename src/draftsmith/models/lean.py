@@ -216,6 +216,9 @@ class _Layer:
     rope_key: str | None  # Gemma 3 keeps one rotary table per layer type
 
 
+_NO_SCALES: list[torch.Tensor | None] = [None] * 7  # llama_layer's int8 scales: a verifier's weights are float
+
+
 @dataclass
 class _Fused:
     """One layer's arguments for ``draftsmith::llama_layer`` (the cpp layout's fused eager layer)."""
@@ -423,8 +426,8 @@ class LeanDecoder:
             if i in aux_layer_ids:
                 saved[i] = x
             cos, sin = rope[L.rope_key]
-            x = layer(x, F_.w, F_.b, cos, sin, cache.keys[i], cache.values[i], pos, start, F_.window, L.scale,
-                      F_.eps, F_.qk_eps, L.nh, L.nkv, L.hd, CHUNK)
+            x = layer(x, None, F_.w, _NO_SCALES, F_.b, cos, sin, cache.keys[i], cache.values[i], pos, start,
+                      F_.window, L.scale, F_.eps, F_.qk_eps, L.nh, L.nkv, L.hd, CHUNK)
         x = self.norm(x)
         if self.num_layers in aux_layer_ids:
             saved[self.num_layers] = x

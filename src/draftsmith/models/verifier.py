@@ -364,6 +364,8 @@ class CppInt8WeightLinear(Int8WeightLinear):
     multiply by the dequantized float32 weight, the same function up to float32 rounding; longer
     bfloat16 ones and compiled graphs keep ATen's kernel."""
 
+    cpp_kernel = True  # read by Eagle3Draft.fused_args (its fused layer calls the same int8 form)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype in _CPP_DTYPES and not torch.compiler.is_compiling():
             if 0 < x.numel() <= _CPP_MAX_ROWS * self.in_features:
