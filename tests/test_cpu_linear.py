@@ -360,6 +360,16 @@ def test_fused_layer_is_bitwise_the_loop_it_replaces(arch, dtype, monkeypatch):
     from draftsmith.models.verifier import weight_layout
 
     model = copy.deepcopy(tiny_model(arch)).to(dtype)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # norm weights and biases unlike one another (random init leaves them 1 and 0)
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+    for mod in model.modules():  # q/k norms with an eps of their own (a swap of the two would show)
+        if type(mod).__name__.endswith("RMSNorm") and hasattr(mod, "variance_epsilon") and mod.weight.numel() == 16:
+            mod.variance_epsilon = 0.5
+    if arch == "qwen2":
+        assert model.model.layers[0].self_attn.q_proj.bias is not None  # biases are exercised
     real, calls = torch.ops.draftsmith.llama_layer, []
     monkeypatch.setattr(torch.ops.draftsmith, "llama_layer", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     with weight_layout(model, "cpp"), torch.inference_mode():
@@ -404,6 +414,10 @@ def test_fused_layer_rejects_bad_input():
         layer(x, torch.zeros(2, 8), w, none, none, *args)
     with pytest.raises(RuntimeError, match="inside the cache"):
         layer(x, None, w, none, none, *args[:5], 4, *args[6:])
+    with pytest.raises(RuntimeError, match="weights of shapes"):  # Wq for 3 heads where nh is 2
+        layer(x, None, [w[0], torch.randn(12, 8), *w[2:]], none, none, *args)
+    with pytest.raises(RuntimeError, match="bias 1 of its projection's output size"):
+        layer(x, None, w, none, [None, torch.zeros(3)] + none[2:], *args)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -381,7 +381,8 @@ def test_confidence_stop_negative_control_rule_that_reads_the_token():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("flags", [{}, {"norm_before_residual": False}, {"qk_norm": True}, {"int8": True}])
+@pytest.mark.parametrize("flags", [{}, {"norm_before_residual": False}, {"qk_norm": True}, {"int8": True},
+                                   {"attention_bias": True}, {"attention_bias": True, "int8": True}])
 def test_fused_draft_step_is_bitwise_the_modules_step(dtype, flags, monkeypatch):
     """Inside ``--weight-layout cpp`` an EAGLE-3 draft's eager step runs its layer as one ``llama_layer``
     call (calls counted) with its float or int8 weights: logits, carried hidden states and the cache's
@@ -393,6 +394,10 @@ def test_fused_draft_step_is_bitwise_the_modules_step(dtype, flags, monkeypatch)
     flags = dict(flags)
     int8 = flags.pop("int8", False)
     d = _draft(tiny_model("llama"), vd=64, **flags).to(dtype)
+    with torch.no_grad():  # norm weights and biases unlike one another (random init leaves them 1 and 0)
+        for p in d.parameters():
+            if p.dim() == 1 and p.is_floating_point():
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     if int8:
         d = quantize_draft(d, "int8")
     assert d.fused_args() is None
@@ -409,12 +414,16 @@ def test_fused_draft_step_is_bitwise_the_modules_step(dtype, flags, monkeypatch)
         caches = [d.new_cache(16), d.new_cache(16)]
         ids, hidden = torch.randint(0, 128, (1, 4), generator=g), torch.randn(1, 4, H, generator=g).to(dtype)
         pos = torch.arange(1, 5)[None]
-        for n in range(4):
+        for n in range(5):
             outs = [d.step(ids, hidden, pos, c, fused=f) for c, f in zip(caches, (fused, None))]
             for c in caches:
                 c.advance(ids.shape[1])
             assert all(torch.equal(a, b) for a, b in zip(*outs)), n
-            ids, hidden, pos = outs[0][0][:, -1:].argmax(-1), outs[0][1][:, -1:], pos[:, -1:] + 1
+            if n < 3:  # a chain of one-position steps
+                ids, hidden, pos = outs[0][0][:, -1:].argmax(-1), outs[0][1][:, -1:], pos[:, -1:] + 1
+            else:  # then a round's first step: the 3 positions a verify accepted
+                ids = torch.randint(0, 128, (1, 3), generator=g)
+                hidden, pos = torch.randn(1, 3, H, generator=g).to(dtype), pos[:, -1:] + torch.arange(1, 4)
         for x, y in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values):
-            assert torch.equal(x[:, :, :7], y[:, :, :7])
-    assert len(calls) == 3  # the first step (4 positions, none cached) attends by SDPA: the module path
+            assert torch.equal(x[:, :, :11], y[:, :, :11])
+    assert len(calls) == 4  # the first step (4 positions, none cached) attends by SDPA: the module path

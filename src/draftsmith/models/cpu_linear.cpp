@@ -12,8 +12,8 @@
 // (Written first for the SPR's compiled verify steps, where it lost to inductor's GEMM template:
 // BENCHMARKS.md 9t; the eager steps use it since 15g.)
 //
-// `rms_norm` (an EAGLE-3 draft's RMSNorm in that layout, float32 or bfloat16) is one call instead of
-// ATen's ~6 for a row.
+// `rms_norm` (an EAGLE-3 draft's RMSNorm in that layout, and a Llama-style verifier's, float32 or
+// bfloat16) is one call instead of ATen's ~6-8 for a row. `argmax_rows` is torch.argmax over rows.
 //
 // `llama_layer` is a whole pre-norm decoder layer (Llama, Mistral, Qwen2, Qwen3) of an eager step in
 // that layout, as one call instead of ~40 (BENCHMARKS.md 15p): the same functions in the same order
@@ -283,8 +283,8 @@ float inv_rms(const float* x, int64_t H, float eps) {
 
 }  // namespace
 
-// float32 x and w: y = w * (x * r). bfloat16 x and w (a bfloat16 draft's norm, computed in float32 as
-// eagle3.RMSNorm does): y = bf16(w * bf16(x * r)), the module's two roundings.
+// float32 x and w: y = w * (x * r). bfloat16 x and w (a bfloat16 draft's or Llama-style verifier's norm,
+// computed in float32 as eagle3.RMSNorm and LlamaRMSNorm do): y = bf16(w * bf16(x * r)), their two roundings.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "rms_norm: CPU tensors only");
   const bool bf = x.scalar_type() == at::kBFloat16;
@@ -509,14 +509,16 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 // kernel's int8 form), else None; b: their biases (None where absent). cos / sin_folded [.., m, hd]: the
 // rope tables in the lean forward's rope_folded form. The new keys (roped) and values are written into
 // K, V [1, nkv, S, hd] at slots start .. start + m - 1; the queries attend through draftsmith::decode_attention
-// at positions pos [m] (window 0: all before). Returns the layer's output, of x's (or resid's) shape.
+// to the slots up to pos [m] (window 0: all before; the lean caches pass pos = start .. start + m - 1, as
+// their Python loop does). Returns the layer's output, of x's (or resid's) shape.
 at::Tensor llama_layer(const at::Tensor& x, const c10::optional<at::Tensor>& resid, at::TensorList w,
                        const c10::List<c10::optional<at::Tensor>>& s, const c10::List<c10::optional<at::Tensor>>& b,
                        const at::Tensor& cos, const at::Tensor& sin, at::Tensor K, at::Tensor V, const at::Tensor& pos,
                        int64_t start, int64_t window, double scale, double eps, double qk_eps, int64_t nh, int64_t nkv,
                        int64_t hd, int64_t chunk) {
-  TORCH_CHECK(w.size() == 9 || w.size() == 11, "llama_layer: 9 weights, or 11 with q/k norms");
+  TORCH_CHECK(w.size() == 9 || w.size() == 11, "llama_layer: 9 weights, or 11 with q/k norms; got ", w.size());
   TORCH_CHECK(s.size() == 7 && b.size() == 7, "llama_layer: 7 scales and 7 biases (None where absent)");
+  TORCH_CHECK(nh > 0 && nkv > 0 && hd > 0 && x.dim() >= 1 && x.size(-1) > 0, "llama_layer: nh, nkv, hd and x's width > 0");
   const auto dt = x.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "llama_layer: float32 or bfloat16 x");
   Optionals ss, bs;
@@ -530,8 +532,17 @@ at::Tensor llama_layer(const at::Tensor& x, const c10::optional<at::Tensor>& res
     const int j = i >= 1 && i <= 4 ? static_cast<int>(i) - 1 : i >= 6 && i <= 8 ? static_cast<int>(i) - 2 : -1;
     const bool int8 = j >= 0 && ss[j].has_value() && ss[j]->defined();
     TORCH_CHECK(w[i].scalar_type() == (int8 ? at::kChar : dt) && w[i].device().is_cpu(),
-                "llama_layer: weights of x's dtype (int8 where a scale is given) on the CPU");
+                "llama_layer: weights of x's dtype (int8 where a scale is given) on the CPU; weight ", i, " is ",
+                w[i].scalar_type());
   }
+  // the shapes every loop below relies on: [out, in] projections chained as the layer chains them
+  const int64_t H = given ? resid->size(-1) : x.size(-1), I = w[6].size(0);
+  const auto is = [&](size_t i, int64_t rows, int64_t cols) { return w[i].dim() == 2 && w[i].size(0) == rows && w[i].size(1) == cols; };
+  TORCH_CHECK(is(1, nh * hd, x.size(-1)) && is(2, nkv * hd, x.size(-1)) && is(3, nkv * hd, x.size(-1)) &&
+              is(4, H, nh * hd) && is(6, I, H) && is(7, I, H) && is(8, H, I) && (given || w[0].numel() == H) &&
+              w[5].numel() == H && (w.size() == 9 || (w[9].numel() == hd && w[10].numel() == hd)),
+              "llama_layer: weights of shapes Wq [nh*hd, K], Wk / Wv [nkv*hd, K], Wo [H, nh*hd], Wgate / Wup [I, H], "
+              "Wdown [H, I], norms [H] (q/k norms [hd])");
   TORCH_CHECK(!given || (resid->scalar_type() == dt && resid->numel() / resid->size(-1) == x.numel() / x.size(-1)),
               "llama_layer: resid of x's dtype and rows");
   TORCH_CHECK(K.scalar_type() == dt && V.scalar_type() == dt && K.is_contiguous() && V.is_contiguous() && K.dim() == 4 &&
@@ -542,6 +553,9 @@ at::Tensor llama_layer(const at::Tensor& x, const c10::optional<at::Tensor>& res
   const int64_t m = x.numel() / x.size(-1);
   TORCH_CHECK(cos.numel() == m * hd && pos.numel() == m && start >= 0 && start + m <= K.size(2),
               "llama_layer: rope tables [m, hd], pos [m] and slots inside the cache");
+  for (size_t j = 0; j < 7; ++j)
+    TORCH_CHECK(!bs[j].has_value() || !bs[j]->defined() || bs[j]->numel() == w[j < 4 ? j + 1 : j + 2].size(0),
+                "llama_layer: bias ", j, " of its projection's output size");
   const std::vector<at::Tensor> ws(w.begin(), w.end());
   if (dt == at::kFloat)
     return layer<float>(x, resid, ws, ss, bs, cos, sin, K, V, pos, start, window, scale, eps, qk_eps, nh, nkv, hd, chunk);

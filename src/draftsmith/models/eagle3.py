@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.cpu_linear import MAX_ROWS as _CPP_MAX_ROWS
 from draftsmith.models.kv import KVCache
 
 
@@ -413,6 +414,8 @@ class Eagle3Draft(nn.Module):
         weights = [torch.empty(0, dtype=dtype), *w[:4], layer.post_attention_layernorm.weight, *w[4:]]
         weights += [a.q_norm.weight, a.k_norm.weight] if a.qk_norm else []
         eps = layer.post_attention_layernorm.eps
+        if a.qk_norm and a.q_norm.eps != a.k_norm.eps:
+            return None  # the op takes one eps for q's and k's norms
         return weights, scales, [mod.bias for mod in projs], eps, a.q_norm.eps if a.qk_norm else 0.0
 
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
@@ -433,7 +436,8 @@ class Eagle3Draft(nn.Module):
             draft logits ``[1, m, Vd]`` and the hidden to carry ``[1, m, H]``.
         """
         m = input_ids.shape[1]
-        if fused is not None and slots is None and cache.kernel_step(m) and not torch.is_grad_enabled():
+        if fused is not None and slots is None and m <= _CPP_MAX_ROWS and cache.kernel_step(m) \
+                and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             return self._step_fused(input_ids, hidden, position_ids, cache, fused)
         if slots is None:
             slots = torch.arange(cache.length, cache.length + m, device=input_ids.device)

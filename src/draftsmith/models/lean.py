@@ -41,6 +41,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from draftsmith.models.cpu_linear import MAX_ROWS as _CPP_MAX_ROWS
 from draftsmith.models.kv import BatchKVCache, KVCache
 from draftsmith.models.quantize import rounds_activations
 
@@ -238,7 +239,8 @@ def _fused_layers(base: torch.nn.Module, layers: list[_Layer], windows: list[int
     layout's few-row kernel (:class:`~draftsmith.models.verifier.CppLinear`) and whose norms on its
     norm (:class:`~draftsmith.models.verifier.CppNorm`), float32 or bfloat16 on the CPU, with silu
     (probed against ``F.silu``) and the rotate-half rope (:func:`rope_folded`): what the Python loop
-    computes op for op, in one call."""
+    computes op for op, in one call. The arguments hold the weight tensors the modules hold now: a
+    decoder is built per request (a parameter reassigned later would not be seen)."""
     if not rope_fast or dtype not in (torch.float32, torch.bfloat16):
         return None
     from draftsmith.models import cpu_attention, cpu_linear
@@ -268,8 +270,8 @@ def _fused_layers(base: torch.nn.Module, layers: list[_Layer], windows: list[int
         w = [norms[0].weight, *(p.weight for p in projs[:4]), norms[1].weight, *(p.weight for p in projs[4:])]
         out.append(_Fused(w + [n.weight for n in norms[2:]], [p.bias for p in projs], _norm_eps(norms[0]),
                           _norm_eps(norms[2]) if len(norms) > 2 else 0.0, W or 0))
-        if _norm_eps(norms[1]) != out[-1].eps:
-            return None
+        if _norm_eps(norms[1]) != out[-1].eps or (len(norms) > 2 and _norm_eps(norms[3]) != out[-1].qk_eps):
+            return None  # one eps for the two norms, one for q's and k's: the op takes two
     if not (cpu_linear.available() and cpu_attention.available()):
         return None
     return out
@@ -350,8 +352,8 @@ class LeanDecoder:
             input of layer i (0: the embeddings; n: the final normed output), as
             transformers' ``hidden_states[i]``.
         """
-        if self.fused is not None and cache.kernel_step(ids.shape[0]) and not torch.is_grad_enabled() \
-                and not torch.compiler.is_compiling():
+        if self.fused is not None and ids.shape[0] <= _CPP_MAX_ROWS and cache.kernel_step(ids.shape[0]) \
+                and not torch.is_grad_enabled() and not torch.compiler.is_compiling():  # (the loop's rows: kernel)
             x, saved = self._layers_fused(self.embed(ids), pos, cache, aux_layer_ids)
         else:
             x, saved = self._layers(self.embed(ids), 1, pos[None],
