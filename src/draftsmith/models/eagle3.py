@@ -30,8 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.cpu_attention import CHUNK
 from draftsmith.models.cpu_linear import MAX_ROWS as _CPP_MAX_ROWS
 from draftsmith.models.kv import KVCache
+from draftsmith.models.lean import fold_sin
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -156,12 +158,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-
-
-def _fold_sin(sin: torch.Tensor) -> torch.Tensor:
-    """``cat(-sin1, sin2)`` over the halves of the last dim (what ``lean.fold_sin`` computes)."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), -1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -301,18 +297,18 @@ class Eagle3Draft(nn.Module):
         """:meth:`rope` at ``position_ids [1, m]`` for a cached step: on the CPU outside autograd and
         compiled graphs, rows of a table the rotary module computed once for positions ``[0, n)``
         (bitwise its per-step result, tested; ~8 us instead of ~20 for its call), grown by doubling.
-        ``folded``: the sine as :func:`~draftsmith.models.lean.fold_sin` folds it (the fused layer's
+        ``folded``: the sine folded by :func:`~draftsmith.models.lean.fold_sin` (the fused layer's
         rope; from a folded table, on the CPU)."""
         if (like.device.type != "cpu" or torch.is_grad_enabled() or torch.compiler.is_compiling()
                 or getattr(self.rotary_emb, "rope_type", "default") in ("dynamic", "longrope")):  # tables by length
             cos, sin = self.rope(position_ids, like)
-            return (cos, _fold_sin(sin)) if folded else (cos, sin)
+            return (cos, fold_sin(sin)) if folded else (cos, sin)
         need = int(position_ids.max()) + 1
         table = self._rope_table
         if table is None or table[0].shape[1] < need or table[0].dtype != like.dtype:
             size = max(need, 2 * table[0].shape[1] if table is not None else 512)
             cos, sin = self.rope(torch.arange(size)[None], like)
-            table = self._rope_table = (cos, sin, _fold_sin(sin))
+            table = self._rope_table = (cos, sin, fold_sin(sin))
         return table[0][:, position_ids[0]], table[2 if folded else 1][:, position_ids[0]]
 
     # ------------------------------------------------------------------ training: TTT unroll
@@ -453,8 +449,6 @@ class Eagle3Draft(nn.Module):
     def _step_fused(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                     cache: KVCache, fused: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`step` with the layer's attention and MLP in one ``draftsmith::llama_layer`` call."""
-        from draftsmith.models.cpu_attention import CHUNK
-
         layer, m = self.layers[0], input_ids.shape[1]
         a = layer.self_attn
         weights, scales, biases, eps, qk_eps = fused

@@ -41,6 +41,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from draftsmith.models.cpu_attention import CHUNK
 from draftsmith.models.cpu_linear import MAX_ROWS as _CPP_MAX_ROWS
 from draftsmith.models.kv import BatchKVCache, KVCache
 from draftsmith.models.quantize import rounds_activations
@@ -417,8 +418,6 @@ class LeanDecoder:
                       aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """:meth:`_layers` for one sequence's step, each layer one ``draftsmith::llama_layer`` call (same
         results, bitwise; :attr:`fused`); the new keys and values go to the cache's next slots."""
-        from draftsmith.models.cpu_attention import CHUNK
-
         m, start = x.shape[0], cache.length
         cache.check_room(m)
         rope = self._tables(x, pos[None])
