@@ -81,7 +81,9 @@ def gemm_section(rows: list[int], repeats: int, dtype: torch.dtype = torch.float
         fn(xm, head)
 
     fns = {"mkl": lambda a, w: torch.mm(a, w.t()), "kernel": lambda a, w: rows_linear(a, w)}
-    if torch.backends.mkldnn.is_available():  # --weight-layout onednn's kernel
+    from draftsmith.models.verifier import onednn_supports
+
+    if onednn_supports(head.dtype):  # --weight-layout onednn's kernel (bfloat16 needs AVX-512)
         fns["onednn"] = lambda a, w: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
     seen: dict = {}
     names = list(fns)

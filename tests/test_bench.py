@@ -255,6 +255,39 @@ def test_pick_layout_keeps_the_fastest_plain_step_and_breaks_ties_by_verify_cost
     assert pick({"out-in": {1: 1.0, 2: 1.0}, "onednn": {1: 1.0, 2: 1.0}}, [1]) == "out-in"
 
 
+def test_onednn_is_offered_only_for_the_dtypes_it_multiplies_here(monkeypatch):
+    """An AVX2-only CPU's oneDNN refuses bfloat16 ("could not create a primitive descriptor", BENCHMARKS.md
+    15q): auto does not offer it there, and asking for it says why instead of failing in the first step."""
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.models import verifier
+
+    bf = torch.nn.Sequential(torch.nn.Linear(16, 16)).to(torch.bfloat16)
+    if verifier.onednn_supports(torch.bfloat16):  # this CPU multiplies it: both paths open
+        assert "onednn" in measure.layout_candidates(bf)
+        with verifier.linears_onednn(bf) as n:
+            assert n == 1 and bf(torch.ones(1, 16, dtype=torch.bfloat16)).shape == (1, 16)
+    assert verifier.onednn_supports(torch.float32)
+    calls = []
+
+    def refuse_bf16(*args):  # how the op answers on an AVX2-only CPU
+        calls.append(args[0].dtype)
+        if args[0].dtype == torch.bfloat16:
+            raise RuntimeError("could not create a primitive descriptor for the inner product forward")
+        return torch.nn.functional.linear(args[0], args[1], args[2])
+
+    verifier.onednn_supports.cache_clear()
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", refuse_bf16)
+    try:
+        assert "onednn" not in measure.layout_candidates(bf)
+        assert "onednn" in measure.layout_candidates(torch.nn.Sequential(torch.nn.Linear(16, 16)))
+        with pytest.raises(DraftsmithError, match="oneDNN cannot multiply torch.bfloat16"):
+            with verifier.linears_onednn(bf):
+                pass
+        assert calls == [torch.bfloat16, torch.float32]  # one probe per dtype, cached
+    finally:
+        verifier.onednn_supports.cache_clear()
+
+
 def test_choose_weight_layout_times_each_candidate_inside_its_layout(tiny, monkeypatch):
     """The probe times the verifier inside each layout, alternating, and picks by those times; the
     modules are as loaded after. A fake step clock makes oneDNN cheaper, then dearer (the control)."""

@@ -207,8 +207,21 @@ def environment_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cpu_isa": cpu_isa(),
     }
     return info
+
+
+def cpu_isa() -> str:
+    """The vector ISA torch runs with here (``AVX2``, ``AVX512``, ...), with ``+AVX512_BF16`` / ``+AMX``
+    where the CPU has them: two CPUs of one model name ("AMD EPYC": Zen 3 with AVX2 only, Zen 4 with
+    AVX-512 BF16) differ 2-3x in this project's step costs (BENCHMARKS.md 15q)."""
+    isa = str(torch.backends.cpu.get_cpu_capability())
+    if getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
+        isa += "+AVX512_BF16"
+    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        isa += "+AMX"
+    return isa
 
 
 def command_line() -> str:

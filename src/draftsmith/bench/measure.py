@@ -558,7 +558,7 @@ LAYOUT_PASSES, LAYOUT_REPEATS = 2, 5
 
 def layout_candidates(model: torch.nn.Module, compiled: bool = False) -> list[str]:
     """The layouts ``--weight-layout auto`` times for ``model``: as loaded; on a CPU whose torch has
-    oneDNN, oneDNN's matmul on the same weights; on a CPU with float32 or bfloat16 weights, draftsmith's
+    oneDNN, oneDNN's matmul on the same weights, where it multiplies their dtype; on a CPU with float32 or bfloat16 weights, draftsmith's
     few-row kernel (``cpp``, built here on first use; left out, with a warning, where it cannot be).
     ``in-out`` is left out: it holds the weights twice. On any other device only the loaded layout
     applies, and so it does for compiled steps: a compiled CPU step freezes the weights as loaded
@@ -568,7 +568,9 @@ def layout_candidates(model: torch.nn.Module, compiled: bool = False) -> list[st
     if compiled or p.device.type != "cpu" or not p.is_floating_point():
         return ["out-in"]
     out = ["out-in"]
-    if torch.backends.mkldnn.is_available():
+    from draftsmith.models.verifier import onednn_supports
+
+    if onednn_supports(p.dtype):  # bfloat16 needs AVX-512 (absent on an AVX2-only CPU)
         out.append("onednn")
     if p.dtype in (torch.float32, torch.bfloat16):
         from draftsmith.models import cpu_linear

@@ -491,7 +491,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     """A table and a few lines a person reads in 10 seconds (well under one screen)."""
     cfg, prov, env = report["config"], report["provenance"], report["environment"]
     temp = "greedy" if cfg["temperature"] == 0 else f"temperature {cfg['temperature']}"
-    device = env.get("cuda") or f"{env.get('cpu_model') or env.get('processor')} ({env.get('torch_threads')} threads)"
+    isa = f", {env['cpu_isa']}" if env.get("cpu_isa") else ""
+    device = env.get("cuda") or f"{env.get('cpu_model') or env.get('processor')}{isa} ({env.get('torch_threads')} threads)"
     lines = [f"# draftsmith bench: {prov.get('verifier', '?')} on {prov.get('dataset', cfg['dataset'])}", "",
              f"{report['prompts']['measured']}"
              + (f" of {report['prompts']['requested']}" if report["prompts"]["measured"] < report["prompts"]["requested"]

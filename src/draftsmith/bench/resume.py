@@ -149,8 +149,8 @@ def identity(cfg: Any, provenance: Mapping[str, Any], prompts: Sequence[tuple[st
         "prompts": [_digest(p) for p in prompts], "pilot": _digest(list(pilot)),
         "proposers": {label: [type(p).__name__, proposer_digest(p)] for label, p in proposers.items()},
         # the machine and the software: timings of another host or version are not pooled with these
-        "machine": {**{k: env.get(k) for k in ("cpu_model", "cpu_count", "torch_threads", "cuda", "platform",
-                                               "draftsmith", "torch", "transformers", "python")},
+        "machine": {**{k: env.get(k) for k in ("cpu_model", "cpu_isa", "cpu_count", "torch_threads", "cuda",
+                                               "platform", "draftsmith", "torch", "transformers", "python")},
                     "cuda_runtime": torch.version.cuda, "torchao": _version("torchao"), "sources": sources_digest()},
     }
 

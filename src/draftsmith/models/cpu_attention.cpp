@@ -147,6 +147,28 @@ void attend_chunk_vec(const float* qs, int R, int m, const T* K, const T* V, con
     smax[r] = mx;
     ssum[r] = hsum(vsum);
   }
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // AVX2's 16 ymm registers hold no G x C sums of 16 lanes (each two ymm) beside a row of V: here the
+  // head dim is taken 16 values at a time, 4 rows at a time (8 ymm of sums), each pass over the chunk's
+  // V reading one 64-byte line of each slot. Each sum adds the same products in the same order: bitwise
+  // the form above.
+  constexpr int G2 = 4;
+  for (int r0 = 0; r0 < R; r0 += G2) {
+    const int g = std::min(G2, R - r0);
+    for (int c = 0; c < C; ++c) {
+      v16f o[G2] = {};
+      for (int64_t u = 0; u < n; ++u) {
+        const T* vt = V + (c0 + u) * HD;
+        if (r0 == 0 && c == 0 && u + kPrefetchV < n)
+          for (int l = 0; l < HD * static_cast<int>(sizeof(T)); l += 64)
+            __builtin_prefetch(reinterpret_cast<const char*>(vt + kPrefetchV * HD) + l, 0, 3);
+        const v16f v = load16(vt + 16 * c);
+        for (int k = 0; k < g; ++k) o[k] += scratch[(r0 + k) * ld + u] * v;
+      }
+      for (int k = 0; k < g; ++k) std::memcpy(acc + static_cast<int64_t>(r0 + k) * HD + 16 * c, &o[k], sizeof o[k]);
+    }
+  }
+#else
   for (int r0 = 0; r0 < R; r0 += G) {
     const int g = std::min(G, R - r0);
     v16f o[G][C] = {};
@@ -164,6 +186,7 @@ void attend_chunk_vec(const float* qs, int R, int m, const T* K, const T* V, con
     }
     for (int k = 0; k < g; ++k) std::memcpy(acc + static_cast<int64_t>(r0 + k) * HD, o[k], sizeof o[k]);
   }
+#endif
 }
 
 template <typename T, int HD>

@@ -123,6 +123,109 @@ inline v16f load_tail(const W* p, int64_t n) {
   return loadw(buf);
 }
 
+// s * scale[r] (int8 weights) + bias[r]: the product rounded on its own, never fused with the bias's add
+// into one multiply-add (which compilers may or may not do), so every build rounds alike.
+inline float rescaled(float s, const float* scale, const float* bias, int64_t r) {
+  float v = s;
+  if (scale) {
+    v *= scale[r];
+    __asm__ volatile("" : "+x"(v));
+  }
+  return bias ? v + bias[r] : v;
+}
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2 has 16 ymm registers: block_tile's 16 accumulators of 16 lanes are 32 of them, and built for
+// AVX2 the compiler kept them in memory (the kernel 2-3x slower than built for AVX-512, BENCHMARKS.md
+// 9t; an AVX2-only EPYC 15q). Here a block's rows are taken RB at a time, each output's 16 lanes as two
+// halves of 8, RB * T * 2 <= 8 accumulators: the same fused multiply-adds into the same lanes
+// (lane j holds k = j mod 16) and the same tree over the lanes as hsum16's, so every y is bitwise
+// block_tile's (tested against the AVX-512 build's results).
+inline void loadw2(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
+}
+inline void loadw2(const int8_t* p, __m256& lo, __m256& hi) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+}
+inline void loadw2(const uint16_t* p, __m256& lo, __m256& hi) {
+  const auto half = [](const uint16_t* q) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))), 16));
+  };
+  lo = half(p);
+  hi = half(p + 8);
+}
+template <typename W>
+inline void loadw2_tail(const W* p, int64_t n, __m256& lo, __m256& hi) {
+  W buf[16] = {};
+  std::memcpy(buf, p, n * sizeof(W));
+  loadw2(buf, lo, hi);
+}
+
+// The sum of 16 lanes (lo: 0-7, hi: 8-15) in hsum16's order: l + (l + 8), then + 4, + 2, + 1.
+inline float lane_sum(__m256 lo, __m256 hi) {
+  const __m256 b = _mm256_add_ps(lo, hi);
+  const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+  const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
+}
+
+// Rows r0 .. r0 + RB - 1 of a block (wr: its kRowBlock row pointers), stored where r < R.
+template <int T, int RB, typename W>
+inline void sub_block(const float* const* xr, int stored, const W* const* wr, int64_t r0, int64_t K, int64_t R,
+                      int64_t ahead, const float* scale, const float* bias, float* y, int64_t ldy) {
+  __m256 lo[T][RB], hi[T][RB];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < RB; ++r) lo[t][r] = hi[t][r] = _mm256_setzero_ps();
+  const int64_t K16 = K - K % 16;
+  for (int64_t k = 0; k < K16; k += 16) {
+    __m256 xl[T], xh[T];
+    for (int t = 0; t < T; ++t) {
+      xl[t] = _mm256_loadu_ps(xr[t] + k);
+      xh[t] = _mm256_loadu_ps(xr[t] + k + 8);
+    }
+    for (int r = 0; r < RB; ++r) {
+      __builtin_prefetch(reinterpret_cast<const char*>(wr[r0 + r] + k) + ahead, 0, 2);
+      __m256 wl, wh;
+      loadw2(wr[r0 + r] + k, wl, wh);
+      for (int t = 0; t < T; ++t) {
+        lo[t][r] = _mm256_fmadd_ps(xl[t], wl, lo[t][r]);
+        hi[t][r] = _mm256_fmadd_ps(xh[t], wh, hi[t][r]);
+      }
+    }
+  }
+  if (K16 < K) {
+    for (int t = 0; t < T; ++t) {
+      __m256 xl, xh;
+      loadw2_tail(xr[t] + K16, K - K16, xl, xh);
+      for (int r = 0; r < RB; ++r) {
+        __m256 wl, wh;
+        loadw2_tail(wr[r0 + r] + K16, K - K16, wl, wh);
+        lo[t][r] = _mm256_fmadd_ps(xl, wl, lo[t][r]);
+        hi[t][r] = _mm256_fmadd_ps(xh, wh, hi[t][r]);
+      }
+    }
+  }
+  for (int t = 0; t < stored; ++t)
+    for (int r = 0; r < RB && r0 + r < R; ++r) {
+      y[t * ldy + r0 + r] = rescaled(lane_sum(lo[t][r], hi[t][r]), scale, bias, r0 + r);
+    }
+}
+
+// y[t, n0 + r] for r < R (R <= kRowBlock) and the x rows xr[t], t < T (AVX2; see sub_block).
+template <int T, typename W>
+inline void block_tile(const float* const* xr, int stored, const W* w, int64_t K, int64_t R, const float* scale,
+                       const float* bias, float* y, int64_t ldy) {
+  constexpr int RB = 4 / T;
+  const int64_t ahead = kRowBlock * K * static_cast<int64_t>(sizeof(W));
+  const W* wr[kRowBlock];
+  for (int64_t r = 0; r < kRowBlock; ++r) wr[r] = w + std::min(r, R - 1) * K;
+  for (int64_t r0 = 0; r0 < R; r0 += RB) sub_block<T, RB>(xr, stored, wr, r0, K, R, ahead, scale, bias, y, ldy);
+}
+#else
 // y[t, n0 + r] for r < R (R <= kRowBlock) and the x rows xr[t], t < T; rows of W past R are
 // computed on a repeat of the last valid one and never stored, and so are tile rows past `stored`.
 // A sum is multiplied by its row's `scale` (int8 weights) before the bias is added.
@@ -161,10 +264,11 @@ inline void block_tile(const float* const* xr, int stored, const W* w, int64_t K
   const v16f s = hsum16(acc);  // lane t * kRowBlock + r: row t of the tile, output row r
   for (int t = 0; t < stored; ++t)
     for (int64_t r = 0; r < R; ++r) {
-      const float v = scale ? s[t * kRowBlock + r] * scale[r] : s[t * kRowBlock + r];
-      y[t * ldy + r] = bias ? v + bias[r] : v;
+      y[t * ldy + r] = rescaled(s[t * kRowBlock + r], scale, bias, r);
     }
 }
+
+#endif
 
 template <typename W>
 void rows_block(const float* x, int64_t m, int64_t ldx, const W* w, int64_t K, int64_t R, const float* scale,

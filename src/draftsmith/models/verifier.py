@@ -23,7 +23,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.models.cpu_linear import MAX_ROWS as _CPP_MAX_ROWS
 from draftsmith.models.eagle3 import RMSNorm
 from draftsmith.models.quantize import Int8WeightLinear
-from draftsmith.utils import atomic_dir, cache_dir, resolve_device, resolve_dtype
+from draftsmith.utils import atomic_dir, cache_dir, cpu_isa, resolve_device, resolve_dtype
 
 #: weight dtypes the few-row kernel multiplies (``--weight-layout cpp``)
 _CPP_DTYPES = (torch.float32, torch.bfloat16)
@@ -296,6 +296,21 @@ def _register_onednn_linear() -> None:
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+@functools.lru_cache(maxsize=None)
+def onednn_supports(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's matmul here multiplies ``dtype`` (tried once on a 1 x 16 product). Its bfloat16
+    inner product needs AVX-512 (on an AVX2-only CPU, the EPYC of BENCHMARKS.md 15q, it refuses with
+    "could not create a primitive descriptor"); float32 runs wherever torch has oneDNN."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._linear_pointwise(torch.ones(1, 16, dtype=dtype), torch.ones(16, 16, dtype=dtype), None,
+                                           "none", [], "")
+    except RuntimeError:
+        return False
+    return True
+
+
 class OneDNNLinear(torch.nn.Linear):
     """An ``nn.Linear`` whose product runs through oneDNN's matmul (the kernel torch's own bfloat16
     linear takes on a CPU) instead of MKL's float32 GEMM; same weight, same bias, no copy."""
@@ -333,6 +348,9 @@ def linears_onednn(model: torch.nn.Module, enabled: bool = True) -> Iterator[int
                 if mod.weight.device.type != "cpu":
                     raise DraftsmithError(f"--weight-layout onednn is a CPU kernel; the model is on "
                                           f"{mod.weight.device.type}")
+                if not onednn_supports(mod.weight.dtype):
+                    raise DraftsmithError(f"--weight-layout onednn: oneDNN cannot multiply {mod.weight.dtype} "
+                                          f"on this CPU ({cpu_isa()}); use --weight-layout cpp or out-in")
                 mods.append(mod)
     if mods:
         _register_onednn_linear()
