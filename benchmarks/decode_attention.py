@@ -90,7 +90,9 @@ def build_baseline(source: Path):
     src = Path(tempfile.gettempdir()) / f"draftsmith_baseline_{digest}.cpp"  # named by its content
     if not src.exists():
         src.write_text(text)
-    cpp_extension.load(name=f"draftsmith_baseline_{digest}", sources=[str(src)], extra_cflags=flags,
+    # the headers it includes ("cpu_vec.h"): from beside the source, else from this checkout's
+    include = source.parent if (source.parent / "cpu_vec.h").exists() else Path(cpu_attention._SOURCE).parent
+    cpp_extension.load(name=f"draftsmith_baseline_{digest}", sources=[str(src)], extra_cflags=flags + [f"-I{include}"],
                        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     torch.library.register_fake(f"{BASELINE_NS}::decode_attention")(cpu_attention._fake)
 

@@ -11,6 +11,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -88,6 +90,66 @@ inline float hsum(v16f x) {
   return s;
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2 forms of attend_chunk_vec's two passes (16 ymm registers: v16f's arrays there spill to the
+// stack; a profile on an AVX2-only EPYC had the weighted sum's multiply-adds reading and writing their
+// sums in memory, BENCHMARKS.md 15q). The same products and sums in the same order as GCC compiled that
+// form for AVX2 (a score's products and sums rounded apart, the weighted sums fused multiply-adds):
+// bitwise its results there (checked on 324 cases of both dtypes, head dims 64 / 128, windows).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// scores[i] = q . K[slot i] for n slots from K (a short block's slots repeated by the caller), each the
+// lanes of q[0:16] * k[0:16] + q[16:32] * k[16:32] + ... summed by hsum16's tree (lane_sum).
+template <typename T, int HD>
+inline void score_slots(const float* qr, const T* const* kt, int n, float* scores) {
+  constexpr int C = HD / 16;
+  __m256 ql[C], qh[C];
+  for (int c = 0; c < C; ++c) {
+    ql[c] = _mm256_loadu_ps(qr + 16 * c);
+    qh[c] = _mm256_loadu_ps(qr + 16 * c + 8);
+  }
+  for (int i = 0; i < n; ++i) {
+    __m256 xl = _mm256_mul_ps(ql[0], load8(kt[i])), xh = _mm256_mul_ps(qh[0], load8(kt[i] + 8));
+    for (int c = 1; c < C; ++c) {  // not fused: as the v16f form's x += q[c] * k compiled for AVX2
+      xl = _mm256_add_ps(xl, _mm256_mul_ps(ql[c], load8(kt[i] + 16 * c)));
+      xh = _mm256_add_ps(xh, _mm256_mul_ps(qh[c], load8(kt[i] + 16 * c + 8)));
+    }
+    scores[i] = lane_sum(xl, xh);
+  }
+}
+
+// acc[k][16c .. 16c + 16) = sum over u of p[k][u] * V[u][16c ..] for G rows k, one 16-value slice c
+// of the head dim at a time (2G sums of 8 lanes in registers); the first slice's pass prefetches V.
+template <typename T, int HD, int G>
+inline void weigh_values(const float* const* p, const T* V, int64_t c0, int64_t n, float* const* acc, bool prefetch) {
+  constexpr int C = HD / 16;
+  for (int c = 0; c < C; ++c) {
+    __m256 ol[G], oh[G];
+    for (int k = 0; k < G; ++k) ol[k] = oh[k] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < n; ++u) {
+      const T* vt = V + (c0 + u) * HD;
+      if (prefetch && c == 0 && u + kPrefetchV < n)
+        for (int l = 0; l < HD * static_cast<int>(sizeof(T)); l += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(vt + kPrefetchV * HD) + l, 0, 3);
+      const __m256 vl = load8(vt + 16 * c), vh = load8(vt + 16 * c + 8);
+      for (int k = 0; k < G; ++k) {
+        const __m256 pk = _mm256_broadcast_ss(p[k] + u);
+        ol[k] = _mm256_fmadd_ps(pk, vl, ol[k]);
+        oh[k] = _mm256_fmadd_ps(pk, vh, oh[k]);
+      }
+    }
+    for (int k = 0; k < G; ++k) {
+      _mm256_storeu_ps(acc[k] + 16 * c, ol[k]);
+      _mm256_storeu_ps(acc[k] + 16 * c + 8, oh[k]);
+    }
+  }
+}
+#endif
+
 // attend_chunk for a head dim that is a multiple of 16, every query row of the group over the
 // chunk's slots together, so each block of K (and of V) is used by all rows while it is in L1:
 // the reads from memory overlap the arithmetic instead of preceding it. Scores of 16 slots are
@@ -105,6 +167,11 @@ void attend_chunk_vec(const float* qs, int R, int m, const T* K, const T* V, con
     const int64_t w = std::min<int64_t>(16, n - t);
     for (int r = 0; r < R; ++r) {
       const float* qr = qs + static_cast<int64_t>(r) * HD;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+      const T* kt[16];
+      for (int i = 0; i < 16; ++i) kt[i] = K + (c0 + t + std::min<int64_t>(i, w - 1)) * HD;
+      score_slots<T, HD>(qr, kt, 16, scratch + r * ld + t);
+#else
       v16f q[C];
       for (int c = 0; c < C; ++c) q[c] = load16(qr + 16 * c);
       v16f part[16];
@@ -116,6 +183,7 @@ void attend_chunk_vec(const float* qs, int R, int m, const T* K, const T* V, con
       }
       const v16f sc = hsum16(part);
       std::memcpy(scratch + r * ld + t, &sc, sizeof sc);
+#endif
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -148,24 +216,20 @@ void attend_chunk_vec(const float* qs, int R, int m, const T* K, const T* V, con
     ssum[r] = hsum(vsum);
   }
 #if defined(__AVX2__) && !defined(__AVX512F__)
-  // AVX2's 16 ymm registers hold no G x C sums of 16 lanes (each two ymm) beside a row of V: here the
-  // head dim is taken 16 values at a time, 4 rows at a time (8 ymm of sums), each pass over the chunk's
-  // V reading one 64-byte line of each slot. Each sum adds the same products in the same order: bitwise
-  // the form above.
-  constexpr int G2 = 4;
-  for (int r0 = 0; r0 < R; r0 += G2) {
-    const int g = std::min(G2, R - r0);
-    for (int c = 0; c < C; ++c) {
-      v16f o[G2] = {};
-      for (int64_t u = 0; u < n; ++u) {
-        const T* vt = V + (c0 + u) * HD;
-        if (r0 == 0 && c == 0 && u + kPrefetchV < n)
-          for (int l = 0; l < HD * static_cast<int>(sizeof(T)); l += 64)
-            __builtin_prefetch(reinterpret_cast<const char*>(vt + kPrefetchV * HD) + l, 0, 3);
-        const v16f v = load16(vt + 16 * c);
-        for (int k = 0; k < g; ++k) o[k] += scratch[(r0 + k) * ld + u] * v;
-      }
-      for (int k = 0; k < g; ++k) std::memcpy(acc + static_cast<int64_t>(r0 + k) * HD + 16 * c, &o[k], sizeof o[k]);
+  // AVX2 (weigh_values): 4 rows at a time, a 16-value slice of the head dim per pass over V
+  for (int r0 = 0; r0 < R; r0 += 4) {
+    const int g = std::min(4, R - r0);
+    const float* p[4];
+    float* a[4];
+    for (int k = 0; k < g; ++k) {
+      p[k] = scratch + (r0 + k) * ld;
+      a[k] = acc + static_cast<int64_t>(r0 + k) * HD;
+    }
+    switch (g) {
+      case 1: weigh_values<T, HD, 1>(p, V, c0, n, a, r0 == 0); break;
+      case 2: weigh_values<T, HD, 2>(p, V, c0, n, a, r0 == 0); break;
+      case 3: weigh_values<T, HD, 3>(p, V, c0, n, a, r0 == 0); break;
+      default: weigh_values<T, HD, 4>(p, V, c0, n, a, r0 == 0); break;
     }
   }
 #else

@@ -140,7 +140,7 @@ inline float rescaled(float s, const float* scale, const float* bias, int64_t r)
 // 9t; an AVX2-only EPYC 15q). Here a block's rows are taken RB at a time, each output's 16 lanes as two
 // halves of 8, RB * T * 2 <= 8 accumulators: the same fused multiply-adds into the same lanes
 // (lane j holds k = j mod 16) and the same tree over the lanes as hsum16's, so every y is bitwise
-// block_tile's (tested against the AVX-512 build's results).
+// what the v16f block_tile below gives built for AVX2 (checked on 600 cases of every weight dtype).
 inline void loadw2(const float* p, __m256& lo, __m256& hi) {
   lo = _mm256_loadu_ps(p);
   hi = _mm256_loadu_ps(p + 8);
@@ -163,14 +163,6 @@ inline void loadw2_tail(const W* p, int64_t n, __m256& lo, __m256& hi) {
   W buf[16] = {};
   std::memcpy(buf, p, n * sizeof(W));
   loadw2(buf, lo, hi);
-}
-
-// The sum of 16 lanes (lo: 0-7, hi: 8-15) in hsum16's order: l + (l + 8), then + 4, + 2, + 1.
-inline float lane_sum(__m256 lo, __m256 hi) {
-  const __m256 b = _mm256_add_ps(lo, hi);
-  const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
-  const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));
-  return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
 }
 
 // Rows r0 .. r0 + RB - 1 of a block (wr: its kRowBlock row pointers), stored where r < R.

@@ -1,6 +1,6 @@
 // Vectors of 16 floats in GCC/Clang vector extensions (one zmm with AVX-512, two ymm with AVX2), shared
 // by draftsmith's C++ CPU kernels (cpu_attention.cpp, cpu_linear.cpp). Included inside each source's
-// anonymous namespace.
+// anonymous namespace, after <immintrin.h>.
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
@@ -33,3 +33,20 @@ inline v16f hsum16(const v16f* a) {
   return SHUF(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          SHUF(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+
+#if defined(__AVX2__)
+// The sum of 16 lanes (lo: 0-7, hi: 8-15) in hsum16's order for one vector: l + (l + 8), then + 4,
+// + 2, + 1 (AVX2 paths that reduce one vector at a time, bitwise hsum16's lane of it).
+inline float lane_sum(__m256 lo, __m256 hi) {
+  const __m256 b = _mm256_add_ps(lo, hi);
+  const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+  const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
+}
+inline float lane_sum(const v16f& x) {
+  __m256 lo, hi;
+  std::memcpy(&lo, &x, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof lo, sizeof hi);
+  return lane_sum(lo, hi);
+}
+#endif
