@@ -567,7 +567,7 @@ def section_rss(args, out: dict) -> None:
             cmd = [sys.executable, __file__, "--rss-child", key, "--verifier", args.verifier, "--dtype", args.dtype,
                    "--device", args.device, "--rss-context", str(args.rss_context), "--max-new-tokens",
                    str(args.max_new_tokens), "--draft-vocab", str(args.draft_vocab[0]),
-                   "--threads", str(args.threads)]
+                   *(["--threads", str(args.threads)] if args.threads is not None else [])]
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
             line = (p.stdout.strip().splitlines() or ["{}"])[-1]
             res[key] = json.loads(line) if p.returncode == 0 else {"error": p.stderr[-2000:]}
