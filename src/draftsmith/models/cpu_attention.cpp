@@ -90,7 +90,7 @@ inline float hsum(v16f x) {
   return s;
 }
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if DRAFTSMITH_YMM_FORMS
 // AVX2 forms of attend_chunk_vec's two passes (16 ymm registers: v16f's arrays there spill to the
 // stack; a profile on an AVX2-only EPYC had the weighted sum's multiply-adds reading and writing their
 // sums in memory, BENCHMARKS.md 15q). The same products and sums in the same order as GCC compiled that
@@ -167,7 +167,7 @@ void attend_chunk_vec(const float* qs, int R, int m, const T* K, const T* V, con
     const int64_t w = std::min<int64_t>(16, n - t);
     for (int r = 0; r < R; ++r) {
       const float* qr = qs + static_cast<int64_t>(r) * HD;
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if DRAFTSMITH_YMM_FORMS
       const T* kt[16];
       for (int i = 0; i < 16; ++i) kt[i] = K + (c0 + t + std::min<int64_t>(i, w - 1)) * HD;
       score_slots<T, HD>(qr, kt, 16, scratch + r * ld + t);
@@ -215,7 +215,7 @@ void attend_chunk_vec(const float* qs, int R, int m, const T* K, const T* V, con
     smax[r] = mx;
     ssum[r] = hsum(vsum);
   }
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if DRAFTSMITH_YMM_FORMS
   // AVX2 (weigh_values): 4 rows at a time, a 16-value slice of the head dim per pass over V
   for (int r0 = 0; r0 < R; r0 += 4) {
     const int g = std::min(4, R - r0);

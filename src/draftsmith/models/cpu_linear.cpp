@@ -134,7 +134,7 @@ inline float rescaled(float s, const float* scale, const float* bias, int64_t r)
   return bias ? v + bias[r] : v;
 }
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if DRAFTSMITH_YMM_FORMS
 // AVX2 has 16 ymm registers: block_tile's 16 accumulators of 16 lanes are 32 of them, and built for
 // AVX2 the compiler kept them in memory (the kernel 2-3x slower than built for AVX-512, BENCHMARKS.md
 // 9t; an AVX2-only EPYC 15q). Here a block's rows are taken RB at a time, each output's 16 lanes as two

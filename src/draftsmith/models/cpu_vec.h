@@ -2,6 +2,14 @@
 // by draftsmith's C++ CPU kernels (cpu_attention.cpp, cpu_linear.cpp). Included inside each source's
 // anonymous namespace, after <immintrin.h>.
 
+// The ymm-register forms of the kernels' hot loops (AVX2 builds without AVX-512; bitwise the v16f forms,
+// which a test checks by building both: DRAFTSMITH_V16F_ONLY keeps the v16f forms in an AVX2 build).
+#if defined(__AVX2__) && !defined(__AVX512F__) && !defined(DRAFTSMITH_V16F_ONLY)
+#define DRAFTSMITH_YMM_FORMS 1
+#else
+#define DRAFTSMITH_YMM_FORMS 0
+#endif
+
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
