@@ -94,7 +94,7 @@ demo: setup
 
 test: setup $(SPEC_STAMP) $(VLLM_STAMP) $(LLAMACPP_STAMP) $(LLAMACPP_PYDEPS_STAMP)
 	DRAFTSMITH_SPECULATORS_PYTHON=$(SPEC_VENV)/bin/python DRAFTSMITH_VLLM_PYTHON=$(VLLM_VENV)/bin/python \
-		DRAFTSMITH_LLAMACPP_DIR=$(LLAMACPP_DIR) $(BIN)/python -m pytest -q -p no:cacheprovider
+		DRAFTSMITH_LLAMACPP_DIR=$(LLAMACPP_DIR) $(BIN)/python -m pytest -q -p no:cacheprovider --durations=25
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not interop and not engines"

@@ -1,7 +1,8 @@
 """The C++ kernels' ymm-register forms (AVX2 builds without AVX-512, ``cpu_vec.h``'s
 DRAFTSMITH_YMM_FORMS) against the 16-float vector forms they replace there: both forms built here for
 AVX2 (an AVX-512 CPU runs AVX2 code too), each under its own op namespace, give bitwise the same
-outputs (BENCHMARKS.md 15q). Four builds of ~30 s each: marked slow."""
+outputs (BENCHMARKS.md 15q). Up to four builds of ~30-60 s each (two on an AVX2 CPU, whose own build is
+the ymm forms): marked slow."""
 
 from __future__ import annotations
 
@@ -46,6 +47,11 @@ def forms():
         pytest.skip("the C++ extensions cannot be built here")
     out = {}
     for form, extra in (("ymm", []), ("v16f", ["-DDRAFTSMITH_V16F_ONLY"])):
+        if form == "ymm" and torch.backends.cpu.get_cpu_capability() == "AVX2":
+            # an AVX2 CPU's own build has these flags (cpp_ops.ISA_FLAGS): its ops are the ymm forms
+            assert cpp_ops.flags() == AVX2_FLAGS
+            out[form] = (torch.ops.draftsmith, torch.ops.draftsmith)
+            continue
         _build(cpu_linear._SOURCE, f"ds_lin_{form}", extra)
         _build(cpu_attention._SOURCE, f"ds_att_{form}", extra)
         out[form] = (getattr(torch.ops, f"ds_lin_{form}"), getattr(torch.ops, f"ds_att_{form}"))
