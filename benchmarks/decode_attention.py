@@ -86,12 +86,13 @@ def build_baseline(source: Path):
     text = text.replace("TORCH_LIBRARY_FRAGMENT(draftsmith,", f"TORCH_LIBRARY({BASELINE_NS},").replace(
         "TORCH_LIBRARY_IMPL(draftsmith,", f"TORCH_LIBRARY_IMPL({BASELINE_NS},")
     flags = cpp_ops.flags()
-    digest = hashlib.sha256(text.encode() + " ".join(flags).encode()).hexdigest()[:12]
+    # the headers it includes ("cpu_vec.h"): from beside the source, else from this checkout's
+    include = source.parent if (source.parent / "cpu_vec.h").exists() else Path(cpu_attention._SOURCE).parent
+    header = (include / "cpu_vec.h").read_bytes()
+    digest = hashlib.sha256(text.encode() + header + " ".join(flags).encode()).hexdigest()[:12]
     src = Path(tempfile.gettempdir()) / f"draftsmith_baseline_{digest}.cpp"  # named by its content
     if not src.exists():
         src.write_text(text)
-    # the headers it includes ("cpu_vec.h"): from beside the source, else from this checkout's
-    include = source.parent if (source.parent / "cpu_vec.h").exists() else Path(cpu_attention._SOURCE).parent
     cpp_extension.load(name=f"draftsmith_baseline_{digest}", sources=[str(src)], extra_cflags=flags + [f"-I{include}"],
                        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     torch.library.register_fake(f"{BASELINE_NS}::decode_attention")(cpu_attention._fake)

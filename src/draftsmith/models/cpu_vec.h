@@ -9,6 +9,9 @@
 #else
 #define DRAFTSMITH_YMM_FORMS 0
 #endif
+#if defined(DRAFTSMITH_EXPECT_YMM) && !DRAFTSMITH_YMM_FORMS
+#error "DRAFTSMITH_EXPECT_YMM: this build does not take the ymm forms (AVX-512 on, or AVX2 off)"
+#endif
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
