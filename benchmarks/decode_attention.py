@@ -71,30 +71,14 @@ def build_baseline(source: Path):
     """Another version of the kernel's C++ source (e.g. ``git show REV:src/draftsmith/models/cpu_attention.cpp``),
     built as the engine builds its own but registered as ``draftsmith_baseline::decode_attention``, so both
     run in one process: form ``kernel-baseline``."""
-    import hashlib
-    import tempfile
-
-    from torch.utils import cpp_extension
-
     from draftsmith.models import cpp_ops, cpu_attention
 
-    cpu_attention.available()  # puts the ninja wheel's binary on PATH
-    text = source.read_text()
-    for a in ("TORCH_LIBRARY_FRAGMENT(draftsmith,", "TORCH_LIBRARY_IMPL(draftsmith,"):
-        if a not in text:
-            sys.exit(f"{source}: no {a!r}; not a version of models/cpu_attention.cpp")
-    text = text.replace("TORCH_LIBRARY_FRAGMENT(draftsmith,", f"TORCH_LIBRARY({BASELINE_NS},").replace(
-        "TORCH_LIBRARY_IMPL(draftsmith,", f"TORCH_LIBRARY_IMPL({BASELINE_NS},")
-    flags = cpp_ops.flags()
     # the headers it includes ("cpu_vec.h"): from beside the source, else from this checkout's
     include = source.parent if (source.parent / "cpu_vec.h").exists() else Path(cpu_attention._SOURCE).parent
-    header = (include / "cpu_vec.h").read_bytes()
-    digest = hashlib.sha256(text.encode() + header + " ".join(flags).encode()).hexdigest()[:12]
-    src = Path(tempfile.gettempdir()) / f"draftsmith_baseline_{digest}.cpp"  # named by its content
-    if not src.exists():
-        src.write_text(text)
-    cpp_extension.load(name=f"draftsmith_baseline_{digest}", sources=[str(src)], extra_cflags=flags + [f"-I{include}"],
-                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    try:
+        cpp_ops.build_as(source, BASELINE_NS, include=include)
+    except ValueError as e:
+        sys.exit(str(e))
     torch.library.register_fake(f"{BASELINE_NS}::decode_attention")(cpu_attention._fake)
 
 

@@ -6,8 +6,6 @@ the ymm forms): marked slow."""
 
 from __future__ import annotations
 
-import hashlib
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,22 +19,9 @@ AVX2_FLAGS = ["-O3", "-fopenmp", "-DNDEBUG", "-mavx2", "-mfma", "-mf16c"]
 
 
 def _build(source: Path, ns: str, extra: list[str]) -> None:
-    """``source`` built for AVX2 (plus ``extra`` flags) with its ops registered under ``ns``."""
-    from torch.utils import cpp_extension
-
-    text = source.read_text()
-    for macro in ("TORCH_LIBRARY_FRAGMENT(draftsmith,", "TORCH_LIBRARY_IMPL(draftsmith,"):
-        assert macro in text, f"{source.name}: no {macro}"
-        text = text.replace(macro, macro.replace("draftsmith", ns))
-    flags = AVX2_FLAGS + ["-mno-avx512f"] + extra + [f"-I{source.parent}"]  # AVX2 even where the compiler defaults higher
-    header = (source.parent / "cpu_vec.h").read_bytes()
-    digest = hashlib.sha256(text.encode() + header + " ".join(flags).encode()).hexdigest()[:12]
-    src = Path(tempfile.gettempdir()) / f"draftsmith-ymm-{ns}_{digest}.cpp"  # named by its content: rebuilt only if changed
-    if not src.exists():
-        src.write_text(text)
-    cpp_ops.ninja_on_path()
-    cpp_extension.load(name=f"{ns}_{digest}", sources=[str(src)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                       is_python_module=False, verbose=False)
+    """``source`` built for AVX2 (even where the compiler defaults higher; plus ``extra`` flags) with its ops
+    registered under ``ns``."""
+    cpp_ops.build_as(source, ns, AVX2_FLAGS + ["-mno-avx512f"] + extra)
 
 
 @pytest.fixture(scope="module")

@@ -51,3 +51,29 @@ def build(source: Path, prefix: str) -> None:
     digest = hashlib.sha256(source.read_bytes() + headers + " ".join(fl).encode()).hexdigest()[:12]
     cpp_extension.load(name=f"{prefix}_{digest}", sources=[str(source)], extra_cflags=fl, extra_ldflags=["-fopenmp"],
                        is_python_module=False, verbose=False)
+
+
+def build_as(source: Path, ns: str, cflags: list[str] | None = None, include: Path | None = None) -> None:
+    """Build a version of one of these sources with its ops registered under the namespace ``ns`` instead of
+    ``draftsmith``, so it loads beside the engine's own build (a kernel's older source in a benchmark, or
+    another ISA's form in a test). ``cflags``: default :func:`flags`; ``include``: where its headers are
+    (default beside ``source``). Named by content: rebuilt only when the source, headers or flags change."""
+    import tempfile
+
+    from torch.utils import cpp_extension
+
+    text = source.read_text()
+    for macro in ("TORCH_LIBRARY_FRAGMENT(draftsmith,", "TORCH_LIBRARY_IMPL(draftsmith,"):
+        if macro not in text:
+            raise ValueError(f"{source}: no {macro!r}; not a version of a draftsmith kernel source")
+        text = text.replace(macro, macro.replace("draftsmith", ns))
+    include = include or source.parent
+    fl = (cflags if cflags is not None else flags()) + [f"-I{include}"]
+    headers = b"".join(h.read_bytes() for h in sorted(include.glob("*.h")))
+    digest = hashlib.sha256(text.encode() + headers + " ".join(fl).encode()).hexdigest()[:12]
+    src = Path(tempfile.gettempdir()) / f"{ns}_{digest}.cpp"
+    if not src.exists():
+        src.write_text(text)
+    ninja_on_path()
+    cpp_extension.load(name=f"{ns}_{digest}", sources=[str(src)], extra_cflags=fl, extra_ldflags=["-fopenmp"],
+                       is_python_module=False, verbose=False)
