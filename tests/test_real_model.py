@@ -35,7 +35,7 @@ def test_greedy_equivalence_smollm2(smollm2):
                 "partial": DraftModelProposer(perturbed_copy(model, noise=0.15)), "ngram": NgramProposer()}
     n = 40
     stats = {}
-    for _, prompt in eval_set("mt-bench", tok, limit=3):
+    for _, prompt in eval_set("mt-bench", tok, limit=2):  # 3 prompts took 84 s on an AVX2-only EPYC
         plain = generate(model, prompt, max_new_tokens=n).token_ids
         ids = torch.tensor([prompt])
         hf = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n)
@@ -46,4 +46,4 @@ def test_greedy_equivalence_smollm2(smollm2):
             stats.setdefault(name, []).append(out.stats["acceptance_rate"])
     assert min(stats["perfect"]) == 1.0
     assert max(stats["random"]) < 0.1
-    assert 0.1 < sum(stats["partial"]) / 3 < 0.95  # really partial
+    assert 0.1 < sum(stats["partial"]) / len(stats["partial"]) < 0.95  # really partial
