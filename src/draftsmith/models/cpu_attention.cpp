@@ -72,17 +72,20 @@ inline v16f load16(const c10::BFloat16* p) {
   return reinterpret_cast<const v16f&>(w);
 }
 
-// exp_approx on 16 lanes (the same reduction and polynomial; round-to-nearest by the 1.5 * 2^23
-// trick instead of floor(x + 1/2), which vector extensions lack).
-inline v16f exp16(v16f x) {
-  x = x < -87.0f ? v16f{} - 87.0f : x;
-  x = x > 88.0f ? v16f{} + 88.0f : x;
-  const v16f fx = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const v16f r = x - fx * 0.693359375f + fx * 2.12194440e-4f;
-  const v16f y = exp_poly(r);
-  const v16i two_n = (__builtin_convertvector(fx, v16i) + 127) << 23;
-  return y * reinterpret_cast<const v16f&>(two_n);
+// exp_approx on a vector's lanes (the same reduction and polynomial; round-to-nearest by the 1.5 * 2^23
+// trick instead of floor(x + 1/2), which vector extensions lack). One expression for every width, so a
+// lane's result does not depend on it (the compiler fuses the same products into multiply-adds).
+template <typename V, typename VI>
+inline V exp_lanes(V x) {
+  x = x < -87.0f ? V{} - 87.0f : x;
+  x = x > 88.0f ? V{} + 88.0f : x;
+  const V fx = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const V r = x - fx * 0.693359375f + fx * 2.12194440e-4f;
+  const V y = exp_poly(r);
+  const VI two_n = (__builtin_convertvector(fx, VI) + 127) << 23;
+  return y * reinterpret_cast<const V&>(two_n);
 }
+inline v16f exp16(v16f x) { return exp_lanes<v16f, v16i>(x); }
 
 inline float hsum(v16f x) {
   float s = 0.f;
@@ -91,6 +94,14 @@ inline float hsum(v16f x) {
 }
 
 #if DRAFTSMITH_YMM_FORMS
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+inline v8f load8f(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
 // AVX2 forms of attend_chunk_vec's two passes (16 ymm registers: v16f's arrays there spill to the
 // stack; a profile on an AVX2-only EPYC had the weighted sum's multiply-adds reading and writing their
 // sums in memory, BENCHMARKS.md 15q). The same products and sums in the same order as GCC compiled that
@@ -198,6 +209,34 @@ void attend_chunk_vec(const float* qs, int R, int m, const T* K, const T* V, con
     }
     for (int64_t u = 0; u < a; ++u) row[u] = ninf;
     for (int64_t u = b; u < ld; ++u) row[u] = ninf;
+#if DRAFTSMITH_YMM_FORMS
+    // AVX2: the softmax below 8 lanes at a time (its 16-lane form spilled to the stack there and took
+    // half the kernel's time, BENCHMARKS.md 15r); lanes 0-7 and 8-15 of every 16 kept apart, so the
+    // sum adds the same values in the same order
+    v8f mlo = v8f{} + ninf, mhi = mlo;
+    for (int64_t u = 0; u < ld; u += 16) {
+      const v8f xl = load8f(row + u), xh = load8f(row + u + 8);
+      mlo = mlo > xl ? mlo : xl;
+      mhi = mhi > xh ? mhi : xh;
+    }
+    float mx = ninf;
+    for (int i = 0; i < 8; ++i) mx = std::max(mx, std::max(mlo[i], mhi[i]));
+    v8f slo{}, shi{};
+    for (int64_t u = 0; u < ld; u += 16) {
+      const v8f xl = load8f(row + u) - mx, xh = load8f(row + u + 8) - mx;
+      const v8f el = xl < -87.0f ? v8f{} : exp_lanes<v8f, v8i>(xl);
+      const v8f eh = xh < -87.0f ? v8f{} : exp_lanes<v8f, v8i>(xh);
+      std::memcpy(row + u, &el, sizeof el);
+      std::memcpy(row + u + 8, &eh, sizeof eh);
+      slo += el;
+      shi += eh;
+    }
+    float total = 0.f;
+    for (int i = 0; i < 8; ++i) total += slo[i];
+    for (int i = 0; i < 8; ++i) total += shi[i];
+    smax[r] = mx;
+    ssum[r] = total;
+#else
     v16f vmax = v16f{} + ninf;
     for (int64_t u = 0; u < ld; u += 16) {
       const v16f x = load16(row + u);
@@ -214,6 +253,7 @@ void attend_chunk_vec(const float* qs, int R, int m, const T* K, const T* V, con
     }
     smax[r] = mx;
     ssum[r] = hsum(vsum);
+#endif
   }
 #if DRAFTSMITH_YMM_FORMS
   // AVX2 (weigh_values): 4 rows at a time, a 16-value slice of the head dim per pass over V
