@@ -21,7 +21,7 @@ VLLM_STAMP   := $(VLLM_VENV)/.installed
 # The venv alone (its pip): what llama.cpp's source download needs, so that build need not wait for
 # the installs below.
 $(BIN)/python:
-	$(PY) -m venv $(VENV)
+	$(PY) -m venv $(VENV) || { rm -rf $(VENV); exit 1; }
 
 $(STAMP): pyproject.toml requirements.lock requirements-data.txt | $(BIN)/python
 	$(PIP) install -r requirements.lock
@@ -99,10 +99,12 @@ demo: setup
 setup-all: $(STAMP) $(SPEC_STAMP) $(VLLM_STAMP) $(LLAMACPP_STAMP) $(LLAMACPP_PYDEPS_STAMP)
 
 # The four environments are set up side by side (-j: the llama.cpp build, ~8 min on 2 cores, overlaps
-# the pip installs, ~6 min one after another), each one's output kept together (-O).
-# (-O from GNU make 4 on; an older make interleaves the logs.)
+# the pip installs, ~6 min one after another), their logs interleaved by whole lines (--output-sync=line,
+# GNU make 4 on; an older make interleaves them as they come). SETUP_JOBS=1: one after another. `test`
+# runs its own make for this: do not name it beside another goal under -j (`make -j demo test`), or two
+# makes set up the same venv at once.
 SETUP_JOBS ?= 4
-SYNC_FLAG  := $(if $(filter 3.%,$(MAKE_VERSION)),,-O)
+SYNC_FLAG  := $(if $(filter 3.%,$(MAKE_VERSION)),,--output-sync=line)
 test:
 	$(MAKE) --no-print-directory -j $(SETUP_JOBS) $(SYNC_FLAG) setup-all
 	DRAFTSMITH_SPECULATORS_PYTHON=$(SPEC_VENV)/bin/python DRAFTSMITH_VLLM_PYTHON=$(VLLM_VENV)/bin/python \

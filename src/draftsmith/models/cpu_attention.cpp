@@ -219,7 +219,8 @@ void attend_chunk_vec(const float* qs, int R, int m, const T* K, const T* V, con
       mlo = mlo > xl ? mlo : xl;
       mhi = mhi > xh ? mhi : xh;
     }
-    float mx = ninf;
+    float mx = ninf;  // lanes in another order than the v16f form's: a maximum of exactly 0 may differ in its
+                      // sign, which changes neither exp(x - mx) nor the combine's exp(smax - M)
     for (int i = 0; i < 8; ++i) mx = std::max(mx, std::max(mlo[i], mhi[i]));
     v8f slo{}, shi{};
     for (int64_t u = 0; u < ld; u += 16) {
