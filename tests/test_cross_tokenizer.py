@@ -232,13 +232,13 @@ def test_sampling_keeps_the_verifier_distribution(params):
 
 def test_sampling_negative_control_wrong_q():
     """Claiming a sampled q for greedy drafts biases the output: the chi-square test catches it."""
-    from test_sampling import P_THRESHOLD, SEQ_N, _chi2_pooled, _exact_sequence_dist
+    from test_sampling import P_THRESHOLD, SEQ_N_CONTROL, _chi2_pooled, _exact_sequence_dist
 
     vtok, dtok = _four_letter_tokenizers()
     verifier = tiny_model("llama", seed=5, vocab=4, scale=1.0)
     proposer = _ClaimsSampledQ(tiny_model("llama", seed=6, vocab=7, scale=1.0), dtok, vtok)
     params = SamplingParams(1.0)
-    counts = _sample_counts(verifier, proposer, [2, 3, 1], params, SEQ_N // 3)
+    counts = _sample_counts(verifier, proposer, [2, 3, 1], params, SEQ_N_CONTROL)
     assert _chi2_pooled(counts, _exact_sequence_dist(verifier, [2, 3, 1], params)) < P_THRESHOLD
 
 

@@ -376,7 +376,7 @@ def test_confidence_stop_negative_control_rule_that_reads_the_token():
     from draftsmith.decoding.sampling import SamplingParams
 
     params = SamplingParams(1.0)
-    verifier, counts, _ = _eagle3_sequence_counts(_PeeksAtToken, 0.5, params, SEQ_N // 2)
+    verifier, counts, _ = _eagle3_sequence_counts(_PeeksAtToken, 0.5, params, SEQ_N)  # 2_000, as before
     assert _chi2_pooled(counts, _exact_sequence_dist(verifier, [2, 3, 1], params)) < P_THRESHOLD
 
 
