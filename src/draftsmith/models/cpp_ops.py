@@ -41,16 +41,21 @@ def ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-def build(source: Path, prefix: str) -> None:
-    """Compile and load ``source`` (its ops register themselves); raises whatever the build raises."""
+def _load(prefix: str, source: Path, text: bytes, fl: list[str], include: Path) -> None:
+    """Compile and load ``source`` (whose content is ``text``) as ``prefix_<digest>``, the digest over its text,
+    the headers in ``include`` (what it may include) and the flags: rebuilt only when one of them changes."""
     from torch.utils import cpp_extension
 
     ninja_on_path()
-    fl = flags()
-    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what it may include
-    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(fl).encode()).hexdigest()[:12]
+    headers = b"".join(h.read_bytes() for h in sorted(include.glob("*.h")))
+    digest = hashlib.sha256(text + headers + " ".join(fl).encode()).hexdigest()[:12]
     cpp_extension.load(name=f"{prefix}_{digest}", sources=[str(source)], extra_cflags=fl, extra_ldflags=["-fopenmp"],
                        is_python_module=False, verbose=False)
+
+
+def build(source: Path, prefix: str) -> None:
+    """Compile and load ``source`` (its ops register themselves); raises whatever the build raises."""
+    _load(prefix, source, source.read_bytes(), flags(), source.parent)
 
 
 def build_as(source: Path, ns: str, cflags: list[str] | None = None, include: Path | None = None) -> None:
@@ -60,8 +65,6 @@ def build_as(source: Path, ns: str, cflags: list[str] | None = None, include: Pa
     (default beside ``source``). Named by content: rebuilt only when the source, headers or flags change."""
     import tempfile
 
-    from torch.utils import cpp_extension
-
     text = source.read_text()
     for macro in ("TORCH_LIBRARY_FRAGMENT(draftsmith,", "TORCH_LIBRARY_IMPL(draftsmith,"):
         if macro not in text:
@@ -69,11 +72,8 @@ def build_as(source: Path, ns: str, cflags: list[str] | None = None, include: Pa
         text = text.replace(macro, macro.replace("draftsmith", ns))
     include = include or source.parent
     fl = (cflags if cflags is not None else flags()) + [f"-I{include}"]
-    headers = b"".join(h.read_bytes() for h in sorted(include.glob("*.h")))
-    digest = hashlib.sha256(text.encode() + headers + " ".join(fl).encode()).hexdigest()[:12]
-    src = Path(tempfile.gettempdir()) / f"{ns}_{digest}.cpp"
+    # named by its content (the same text under the same name), loaded by a name with the digest of it all
+    src = Path(tempfile.gettempdir()) / f"{ns}_{hashlib.sha256(text.encode()).hexdigest()[:12]}.cpp"
     if not src.exists():
         src.write_text(text)
-    ninja_on_path()
-    cpp_extension.load(name=f"{ns}_{digest}", sources=[str(src)], extra_cflags=fl, extra_ldflags=["-fopenmp"],
-                       is_python_module=False, verbose=False)
+    _load(ns, src, text.encode(), fl, include)
